@@ -1,0 +1,239 @@
+"""One comparison: validate a request, load the pair, warm up, run baseline then speculative.
+
+This is the single entry point the CLI, the app and the benchmarks share. `stream_compare` yields
+progress as plain Update objects (loading messages, every StepEvent of both runs, the final result),
+so a UI can render while the engine alone does the timing. The runs never overlap: on one device two
+concurrent generations would each slow the other and both numbers would be wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import threading
+from dataclasses import asdict, dataclass, field, replace
+from typing import Iterator
+
+import torch
+
+from engine.baseline import baseline_decode
+from engine.drafters import Drafter, DraftModel, PromptLookup, Synthetic
+from engine.errors import OutOfMemory, UserError
+from engine.metrics import RunResult, StepEvent, summarise
+from engine.models import BUNDLED, MODELS, LoadedModel, free_memory
+from engine.runtime import encode_prompt, eos_ids
+from engine.sampling import SamplingConfig
+from engine.speculative import speculative_decode
+
+DRAFTERS = ("draft-model", "prompt-lookup", "synthetic")
+MAX_GAMMA = 16
+
+
+def max_new_tokens_cap() -> int:
+    """Operator-set ceiling on max_new_tokens (SPECARENA_MAX_NEW_TOKENS), 2048 by default."""
+    return int(os.environ.get("SPECARENA_MAX_NEW_TOKENS", "2048"))
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: str
+    target: str = BUNDLED
+    draft: str | None = None  # model spec, for drafter == "draft-model"
+    drafter: str = "prompt-lookup"
+    gamma: int = 4
+    max_new_tokens: int = 128
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    chat: bool | None = None  # None: use the chat template when the target has one
+    dtype: str = "auto"
+    device: str = "auto"
+    ngram: int = 3  # prompt lookup: longest n-gram matched
+    alpha: float = 0.8  # synthetic drafter: probability of proposing the target's own token
+    warmup: bool = True
+
+    def validate(self) -> "Request":
+        if not self.prompt or not self.prompt.strip():
+            raise UserError("the prompt is empty: type something for the models to continue.")
+        if self.drafter not in DRAFTERS:
+            raise UserError(f"unknown drafter {self.drafter!r}: use one of {', '.join(DRAFTERS)}.")
+        if self.drafter == "draft-model" and not (self.draft or "").strip():
+            raise UserError("the draft-model drafter needs a draft model: name one, or pick prompt-lookup.")
+        if not isinstance(self.gamma, int) or not 1 <= self.gamma <= MAX_GAMMA:
+            raise UserError(f"gamma {self.gamma} is out of range: use a whole number from 1 to {MAX_GAMMA}.")
+        cap = max_new_tokens_cap()
+        if not isinstance(self.max_new_tokens, int) or not 1 <= self.max_new_tokens <= cap:
+            raise UserError(f"max new tokens {self.max_new_tokens} is out of range: use 1 to {cap}.")
+        if not 1 <= self.ngram <= 8:
+            raise UserError(f"prompt-lookup n-gram size {self.ngram} is out of range: use 1 to 8.")
+        if not 0 <= self.alpha <= 1:
+            raise UserError(f"synthetic alpha {self.alpha} is out of range: use 0 to 1.")
+        self.sampling.validate()
+        return self
+
+
+@dataclass
+class Update:
+    """One thing that happened: phase is "status", "baseline", "speculative" or "done"."""
+
+    phase: str
+    message: str = ""
+    event: StepEvent | None = None
+    result: "RunResult | Comparison | None" = None
+
+
+@dataclass
+class Comparison:
+    request: Request
+    baseline: RunResult
+    speculative: RunResult
+    environment: dict
+
+    @property
+    def identical(self) -> bool | None:
+        """Greedy runs must produce the same ids; sampled runs are only equal in distribution."""
+        if not self.request.sampling.greedy:
+            return None
+        return self.baseline.token_ids == self.speculative.token_ids
+
+    @property
+    def speedup(self) -> float | None:
+        base = self.baseline.metrics.tokens_per_s
+        return self.speculative.metrics.tokens_per_s / base if base else None
+
+    def to_dict(self, with_steps: bool = True) -> dict:
+        settings = asdict(self.request)
+        return {
+            "settings": settings,
+            "environment": self.environment,
+            "baseline": self.baseline.to_dict(with_steps),
+            "speculative": self.speculative.to_dict(with_steps),
+            "identical": self.identical,
+            "speedup": self.speedup,
+        }
+
+
+def environment(target: LoadedModel) -> dict:
+    import transformers
+
+    device = target.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+        "device_name": name,
+        "cpu_threads": torch.get_num_threads(),
+        "dtype": str(target.dtype).replace("torch.", ""),
+    }
+
+
+def check_vocab(target: LoadedModel, draft: LoadedModel) -> None:
+    """Speculation verifies token ids, so the two models must mean the same thing by every id."""
+    t_vocab, d_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if t_vocab != d_vocab:
+        shared = len(t_vocab.items() & d_vocab.items())
+        raise UserError(
+            f"the draft {draft.spec!r} does not share the target's vocabulary ({shared} of {len(t_vocab)} "
+            f"token ids agree): pick a draft from the target's model family, or use the prompt-lookup drafter."
+        )
+
+
+@dataclass
+class Pair:
+    target: LoadedModel
+    draft: LoadedModel | None
+
+
+def load_pair(req: Request, progress=lambda msg: None) -> Pair:
+    target = MODELS.get(req.target, req.dtype, req.device, progress)
+    draft = None
+    if req.drafter == "draft-model":
+        draft = MODELS.get(req.draft, req.dtype, req.device, progress)
+        check_vocab(target, draft)
+    return Pair(target, draft)
+
+
+def prompt_ids(req: Request, pair: Pair) -> list[int]:
+    chat = pair.target.has_chat_template if req.chat is None else req.chat
+    ids = encode_prompt(pair.target.tokenizer, req.prompt, chat)
+    limits = [m.context_length for m in (pair.target, pair.draft) if m is not None and m.context_length]
+    if limits and len(ids) + req.max_new_tokens > min(limits):
+        raise UserError(
+            f"the prompt has {len(ids)} tokens and {req.max_new_tokens} new tokens were asked for, more than the "
+            f"context of {min(limits)} tokens: shorten the prompt or lower max new tokens."
+        )
+    return ids
+
+
+def make_drafter(req: Request, pair: Pair, ids: list[int], reference: list[int]) -> Drafter:
+    if req.drafter == "draft-model":
+        return DraftModel(pair.draft.model, pair.target.vocab_size)
+    if req.drafter == "prompt-lookup":
+        return PromptLookup(max_ngram=req.ngram)
+    seed = req.sampling.seed or 0
+    return Synthetic(len(ids), reference, req.alpha, pair.target.vocab_size, seed=seed)
+
+
+def _run(mode: str, events: Iterator[StepEvent], tokenizer) -> Iterator[Update]:
+    steps: list[StepEvent] = []
+    for event in events:
+        steps.append(event)
+        yield Update(mode, event=event)
+    text = tokenizer.decode([t for s in steps for t in s.tokens], skip_special_tokens=True)
+    yield Update(mode, result=summarise(mode, steps, text))  # type: ignore[arg-type]
+
+
+def stream_compare(req: Request, stop: threading.Event | None = None) -> Iterator[Update]:
+    """Validate, load, warm up, then run baseline and speculative one after the other."""
+    req.validate()
+    try:
+        with torch.inference_mode():
+            yield from _stream(req, stop)
+    except torch.OutOfMemoryError as exc:
+        free_memory()
+        raise OutOfMemory(
+            "the device ran out of memory during generation: lower max new tokens or gamma, choose dtype "
+            "bfloat16/float16, or pick a smaller pair. Memory has been freed; the next run can go ahead."
+        ) from exc
+
+
+def _stream(req: Request, stop: threading.Event | None) -> Iterator[Update]:
+    messages: list[str] = []
+    pair = load_pair(req, messages.append)
+    for message in messages:
+        yield Update("status", message=message)
+    yield Update("status", message=pair.target.describe() + (f"; draft {pair.draft.describe()}" if pair.draft else ""))
+    ids = prompt_ids(req, pair)
+    tok, model = pair.target.tokenizer, pair.target.model
+    eos = eos_ids(model, tok)
+    if req.warmup:
+        yield Update("status", message="warming up")
+        warm = replace(req, max_new_tokens=min(8, req.max_new_tokens))
+        for _ in baseline_decode(model, tok, ids, req.sampling, warm.max_new_tokens, eos):
+            pass
+        for _ in speculative_decode(
+            model, tok, ids, make_drafter(warm, pair, ids, []), req.gamma, req.sampling, warm.max_new_tokens, eos
+        ):
+            pass
+    yield Update("status", message="running baseline")
+    baseline = None
+    for update in _run("baseline", baseline_decode(model, tok, ids, req.sampling, req.max_new_tokens, eos, stop), tok):
+        baseline = update.result or baseline
+        yield update
+    yield Update("status", message="running speculative")
+    drafter = make_drafter(req, pair, ids, baseline.token_ids)
+    events = speculative_decode(model, tok, ids, drafter, req.gamma, req.sampling, req.max_new_tokens, eos, stop)
+    speculative = None
+    for update in _run("speculative", events, tok):
+        speculative = update.result or speculative
+        yield update
+    yield Update("done", result=Comparison(req, baseline, speculative, environment(pair.target)))
+
+
+def compare(req: Request, stop: threading.Event | None = None) -> Comparison:
+    """Run a whole comparison and return its result (no streaming)."""
+    result = None
+    for update in stream_compare(req, stop):
+        if update.phase == "done":
+            result = update.result
+    return result  # type: ignore[return-value]

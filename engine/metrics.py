@@ -1,0 +1,151 @@
+"""Step events and the run summary computed from them.
+
+Every decoding loop yields one StepEvent per target forward pass. A RunResult is derived from the
+events alone, so whatever a consumer sees streaming is exactly what the summary counts.
+
+Terms (Leviathan et al. 2023): alpha is the acceptance rate of draft tokens, gamma the number of
+draft tokens per step, c the cost of drafting one token relative to one target pass. The expected
+speedup of a step that drafts gamma tokens is
+
+    (1 - alpha^(gamma+1)) / ((1 - alpha) * (gamma * c + 1)),
+
+which assumes verifying gamma+1 tokens costs one target pass; on bandwidth-bound hardware that holds
+roughly, on a CPU less so (see README).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class StepEvent:
+    step: int  # 0 is the prefill, which yields the first token
+    kind: str  # how `token` came about: "prefill" | "target" (no draft) | "correction" | "bonus";
+    # "stopped" marks a run cancelled by the caller (no tokens, no pass)
+    tokens: list[int]  # emitted this step, in order: accepted drafts, then `token` (unless cut by EOS/limit)
+    pieces: list[str]  # decoded text of each emitted token ("" while a character is incomplete)
+    drafted: list[int] = field(default_factory=list)  # the draft's proposal
+    p: list[float] = field(default_factory=list)  # target probability of each drafted token
+    q: list[float] = field(default_factory=list)  # draft probability of each drafted token (1.0 if one-hot)
+    accepted: int = 0  # how many drafted tokens were kept (a prefix)
+    token: int | None = None  # the target's own token; None when EOS inside the accepted drafts ended the run
+    token_p: float | None = None  # its probability under the target
+    draft_s: float = 0.0
+    verify_s: float = 0.0  # the target forward (prefill on step 0)
+    other_s: float = 0.0  # acceptance, cache roll-back, detokenising
+    elapsed_s: float = 0.0  # engine clock since the run began, excluding the consumer's time between events
+    draft_passes: int = 0
+    finished: str | None = None  # "eos" | "length" | "stopped" on the last event
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def leviathan_speedup(alpha: float, gamma: float, c: float) -> float:
+    """Expected walltime improvement factor for acceptance rate alpha, draft length gamma, cost ratio c."""
+    if gamma <= 0:
+        return 1.0
+    if alpha >= 1.0:
+        tokens = gamma + 1
+    else:
+        tokens = (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return tokens / (gamma * c + 1)
+
+
+@dataclass
+class Metrics:
+    new_tokens: int
+    ttft_s: float
+    total_s: float
+    tokens_per_s: float  # decode speed: tokens after the first, over the time after the first
+    target_passes: int  # prefill included
+    draft_passes: int
+    drafted_tokens: int
+    accepted_tokens: int
+    acceptance_rate: float | None  # alpha = accepted / drafted; None when nothing was drafted
+    mean_accepted_length: float  # tokens emitted per target pass after the prefill (1.0 for baseline)
+    per_position_acceptance: list[float | None]  # P(accept draft i | drafts 1..i-1 accepted), i = 1..
+    accepted_length_hist: list[int]  # steps that accepted 0, 1, ..., gamma draft tokens
+    prefill_s: float
+    draft_s: float
+    verify_s: float
+    overhead_s: float
+    mean_gamma: float  # draft tokens per decode step
+    cost_ratio_c: float | None  # time to draft one token / time of one verify pass
+    predicted_speedup: float | None  # Leviathan et al., from the measured alpha, gamma and c
+    finish_reason: str | None
+
+
+@dataclass
+class RunResult:
+    mode: str  # "baseline" | "speculative"
+    token_ids: list[int]
+    text: str
+    metrics: Metrics
+    steps: list[StepEvent]
+
+    def to_dict(self, with_steps: bool = True) -> dict:
+        out = {"mode": self.mode, "token_ids": self.token_ids, "text": self.text, "metrics": asdict(self.metrics)}
+        if with_steps:
+            out["steps"] = [s.to_dict() for s in self.steps]
+        return out
+
+
+def _per_position(decode: list[StepEvent]) -> tuple[list[float | None], list[int]]:
+    longest = max((len(s.drafted) for s in decode), default=0)
+    reached = [0] * longest  # steps in which position i was drafted and all before it accepted
+    kept = [0] * longest
+    hist = [0] * (longest + 1)
+    for s in decode:
+        hist[s.accepted] += 1
+        for i in range(min(len(s.drafted), s.accepted + 1)):
+            reached[i] += 1
+            kept[i] += i < s.accepted
+    rates = [k / r if r else None for k, r in zip(kept, reached)]
+    return rates, hist
+
+
+def summarise(mode: str, steps: list[StepEvent], text: str) -> RunResult:
+    """Turn a finished run's events into a RunResult."""
+    if not steps:
+        raise ValueError("a run yields at least its prefill event")
+    passes = [s for s in steps if s.kind != "stopped"]  # a stop marker is not a target pass
+    decode = passes[1:]
+    ids = [t for s in passes for t in s.tokens]
+    ttft, total = passes[0].elapsed_s, passes[-1].elapsed_s
+    drafted = sum(len(s.drafted) for s in decode)
+    accepted = sum(s.accepted for s in decode)
+    draft_s = sum(s.draft_s for s in decode)
+    verify_s = sum(s.verify_s for s in decode)
+    alpha = accepted / drafted if drafted else None
+    c = (draft_s / drafted) / (verify_s / len(decode)) if drafted and verify_s > 0 else None
+    # Leviathan's formula per step, summed: exact for a constant gamma, fair when gamma varies
+    predicted = None
+    if alpha is not None and c is not None:
+        gained = sum(leviathan_speedup(alpha, len(s.drafted), c) * (len(s.drafted) * c + 1) for s in decode)
+        predicted = gained / sum(len(s.drafted) * c + 1 for s in decode)
+    rates, hist = _per_position(decode)
+    metrics = Metrics(
+        new_tokens=len(ids),
+        ttft_s=ttft,
+        total_s=total,
+        tokens_per_s=(len(ids) - 1) / (total - ttft) if len(ids) > 1 and total > ttft else 0.0,
+        target_passes=len(passes),
+        draft_passes=sum(s.draft_passes for s in passes),
+        drafted_tokens=drafted,
+        accepted_tokens=accepted,
+        acceptance_rate=alpha,
+        mean_accepted_length=sum(len(s.tokens) for s in decode) / len(decode) if decode else 0.0,
+        per_position_acceptance=rates,
+        accepted_length_hist=hist,
+        prefill_s=passes[0].verify_s + passes[0].other_s,
+        draft_s=draft_s,
+        verify_s=verify_s,
+        overhead_s=sum(s.other_s for s in decode),
+        mean_gamma=drafted / len(decode) if decode else 0.0,
+        cost_ratio_c=c,
+        predicted_speedup=predicted,
+        finish_reason=steps[-1].finished,
+    )
+    return RunResult(mode, ids, text, metrics, steps)

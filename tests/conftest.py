@@ -1,0 +1,101 @@
+"""Fixtures: tiny random models built offline from configs, saved as real model folders.
+
+ByT5's tokenizer needs no files (bytes are tokens), so a complete target/draft pair exists in
+a temporary folder within a second, and every path the app uses (loading by folder, vocabulary
+checks, the CLI) runs on it. The draft is the target with noise on its weights, so it agrees with
+the target often but not always: acceptance lands strictly between 0 and 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never wait on the network
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+EOS = 1  # ByT5's </s>
+
+
+def tiny_llama(vocab_size: int = 384, layers: int = 2, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=None, eos_token_id=EOS, pad_token_id=0, initializer_range=0.2,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_gpt2(vocab_size: int = 384, seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+        bos_token_id=EOS, eos_token_id=EOS, pad_token_id=0, initializer_range=0.2,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config).eval()
+
+
+def noisy_copy(model, scale: float = 0.05, seed: int = 1):
+    """The same model with Gaussian noise on every weight: a draft that is often, not always, right."""
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std().clamp(min=1e-3))
+    return draft
+
+
+def byte_tokenizer():
+    from transformers import ByT5Tokenizer
+
+    return ByT5Tokenizer()
+
+
+class LetterTokenizer:
+    """Minimal tokenizer for tiny-vocabulary models: id i is the letter chr(97 + i)."""
+
+    eos_token_id = None
+    chat_template = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i) for i in ids)
+
+
+@pytest.fixture(scope="session")
+def llama_pair():
+    target = tiny_llama()
+    return target, noisy_copy(target), byte_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def gpt2_pair():
+    target = tiny_gpt2()
+    return target, noisy_copy(target), byte_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory, llama_pair):
+    """Saved folders: target, draft (same vocabulary), and a draft with another vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("models")
+    target, draft, tokenizer = llama_pair
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    words = {w: i for i, w in enumerate(["<pad>", "</s>", "<unk>"] + [f"w{i}" for i in range(381)])}
+    other = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    other.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=other, unk_token="<unk>", pad_token="<pad>", eos_token="</s>")
+    tiny_llama(seed=3).save_pretrained(root / "other-vocab")
+    fast.save_pretrained(root / "other-vocab")
+    return {name: str(root / name) for name in ("target", "draft", "other-vocab")}

@@ -1,0 +1,186 @@
+"""Losslessness of the engine on tiny random models: greedy ids, caches, EOS and length limits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.baseline import baseline_decode
+from engine.drafters import DraftModel, PromptLookup, Synthetic
+from engine.metrics import summarise
+from engine.runtime import TextStream, forward, new_cache
+from engine.sampling import SamplingConfig
+from engine.speculative import speculative_decode
+from tests.conftest import EOS
+
+GREEDY = SamplingConfig()
+PROMPTS = ["The cat sat on the mat. The cat", "def add(a, b):\n    return", "1, 2, 3, 4,"]
+
+
+def prompt_ids(tokenizer, text):
+    return tokenizer(text)["input_ids"][:-1]  # drop ByT5's trailing </s>
+
+
+def run_baseline(model, tok, ids, n, eos=frozenset({EOS}), cfg=GREEDY):
+    with torch.inference_mode():
+        steps = list(baseline_decode(model, tok, ids, cfg, n, set(eos)))
+    return summarise("baseline", steps, "")
+
+
+def run_spec(model, tok, ids, drafter, gamma, n, eos=frozenset({EOS}), cfg=GREEDY):
+    with torch.inference_mode():
+        steps = list(speculative_decode(model, tok, ids, drafter, gamma, cfg, n, set(eos)))
+    return summarise("speculative", steps, "")
+
+
+def hf_generate(model, ids, n, eos=EOS):
+    out = model.generate(
+        torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=0,
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+    )  # fmt: skip
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("pair", ["llama_pair", "gpt2_pair"])
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_greedy_speculative_equals_baseline_and_hf_generate(pair, gamma, request):
+    target, draft, tok = request.getfixturevalue(pair)
+    for text in PROMPTS:
+        ids = prompt_ids(tok, text)
+        expected = hf_generate(target, ids, 40)
+        assert run_baseline(target, tok, ids, 40).token_ids == expected
+        for drafter in (DraftModel(draft, target.config.vocab_size), PromptLookup(max_ngram=3)):
+            result = run_spec(target, tok, ids, drafter, gamma, 40)
+            assert result.token_ids == expected, (drafter.name, text)
+
+
+def test_draft_model_is_right_sometimes_and_wrong_sometimes(llama_pair):
+    """Guards the fixture: a pair with alpha of exactly 0 or 1 would test only half the loop."""
+    target, draft, tok = llama_pair
+    result = run_spec(target, tok, prompt_ids(tok, PROMPTS[0]), DraftModel(draft, 384), 4, 60, eos=())
+    assert 0.1 < result.metrics.acceptance_rate < 0.99
+    kinds = {s.kind for s in result.steps}
+    assert {"correction", "bonus"} <= kinds
+
+
+def test_oracle_accepts_everything_adversary_nothing(llama_pair):
+    target, _, tok = llama_pair
+    ids = prompt_ids(tok, PROMPTS[1])
+    reference = run_baseline(target, tok, ids, 50, eos=()).token_ids
+    oracle = run_spec(target, tok, ids, Synthetic(len(ids), reference, 1.0, 384), 4, 50, eos=())
+    adversary = run_spec(target, tok, ids, Synthetic(len(ids), reference, 0.0, 384), 4, 50, eos=())
+    assert oracle.metrics.acceptance_rate == 1.0
+    assert adversary.metrics.acceptance_rate == 0.0
+    assert oracle.token_ids == adversary.token_ids == reference
+    assert oracle.metrics.target_passes < adversary.metrics.target_passes == 50
+    assert oracle.metrics.per_position_acceptance == [1.0] * 4
+    assert adversary.metrics.accepted_length_hist[0] == adversary.metrics.target_passes - 1
+
+
+def test_eos_inside_an_accepted_draft_ends_the_run(llama_pair):
+    target, _, tok = llama_pair
+    ids = prompt_ids(tok, PROMPTS[0])
+    free = run_baseline(target, tok, ids, 60, eos=()).token_ids
+    # pick as EOS a token that first appears mid-sequence
+    cut = next(i for i in range(6, 60) if free[i] not in free[:i])
+    eos = {free[cut]}
+    expected = free[: cut + 1]
+    assert hf_generate(target, ids, 60, eos=free[cut]) == expected
+    oracle = Synthetic(len(ids), free, 1.0, 384)
+    inside = 0
+    for gamma in (2, 3, 4, 5, 7):
+        result = run_spec(target, tok, ids, oracle, gamma, 60, eos=eos)
+        assert result.token_ids == expected
+        assert result.metrics.finish_reason == "eos"
+        last = result.steps[-1]
+        assert last.tokens[-1] in eos
+        inside += last.token is None  # EOS was an accepted draft token: the target's own token is dropped
+    assert inside > 0
+
+
+def test_max_new_tokens_cuts_the_draft(llama_pair):
+    target, draft, tok = llama_pair
+    ids = prompt_ids(tok, PROMPTS[2])
+    reference = run_baseline(target, tok, ids, 30, eos=()).token_ids
+    for n in (1, 2, 5, 7, 13):
+        for drafter in (Synthetic(len(ids), reference, 1.0, 384), DraftModel(draft, 384), PromptLookup()):
+            result = run_spec(target, tok, ids, drafter, 4, n, eos=())
+            assert result.token_ids == reference[:n]
+            assert result.metrics.finish_reason == "length"
+            assert all(len(s.drafted) <= 4 for s in result.steps)
+
+
+def test_rolled_back_target_cache_matches_a_fresh_pass(llama_pair):
+    target, _, tok = llama_pair
+    ids = prompt_ids(tok, PROMPTS[0])
+    with torch.inference_mode():
+        cache = new_cache(target)
+        forward(target, ids[:-1], cache)
+        forward(target, [ids[-1], 7, 8, 9, 10], cache)  # a verify pass over four draft tokens
+        cache.crop(-3)  # two rejected... keep [last, 7]
+        after = forward(target, [11], cache)[-1]
+        fresh = forward(target, ids + [7, 11], new_cache(target))[-1]
+    torch.testing.assert_close(after, fresh, rtol=1e-4, atol=1e-4)
+
+
+def test_draft_model_resynchronises_its_cache(llama_pair):
+    target, draft, tok = llama_pair
+    ids = prompt_ids(tok, PROMPTS[1])
+    gen = torch.Generator()
+    with torch.inference_mode():
+        reused = DraftModel(draft, 384)
+        reused.propose(ids + [5, 6, 7], 4, GREEDY, gen)  # fill its cache with a future that is then rejected
+        again = reused.propose(ids + [5, 9], 4, GREEDY, gen)
+        fresh = DraftModel(draft, 384).propose(ids + [5, 9], 4, GREEDY, gen)
+    assert again.tokens == fresh.tokens
+    torch.testing.assert_close(again.probs, fresh.probs, rtol=1e-4, atol=1e-5)
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    lookup = PromptLookup(max_ngram=2)
+    gen = torch.Generator()
+    assert lookup.propose([1, 2, 3, 4, 9, 1, 2, 5, 6, 1, 2], 3, GREEDY, gen).tokens == [5, 6, 1]
+    assert lookup.propose([1, 2, 3], 3, GREEDY, gen).tokens == []
+    assert lookup.propose([4, 4, 4], 3, GREEDY, gen).tokens == [4]
+
+
+def test_events_carry_pieces_that_add_up_to_the_text(llama_pair):
+    target, draft, tok = llama_pair
+    ids = prompt_ids(tok, PROMPTS[0])
+    result = run_spec(target, tok, ids, DraftModel(draft, 384), 3, 40, eos=())
+    for step in result.steps:
+        assert len(step.pieces) == len(step.tokens)
+        assert step.tokens[: step.accepted] == step.drafted[: step.accepted]
+        assert len(step.p) == len(step.q) == len(step.drafted)
+        assert step.elapsed_s >= 0 and step.draft_s >= 0 and step.verify_s > 0
+    assert "".join(p for s in result.steps for p in s.pieces) == tok.decode(result.token_ids, skip_special_tokens=True)
+    m = result.metrics
+    assert m.new_tokens == sum(s.accepted for s in result.steps) + m.target_passes
+    assert m.accepted_tokens == sum(i * n for i, n in enumerate(m.accepted_length_hist))
+
+
+def test_stop_flag_ends_the_run_between_steps(llama_pair):
+    import threading
+
+    target, draft, tok = llama_pair
+    stop = threading.Event()
+    events = []
+    with torch.inference_mode():
+        ids = prompt_ids(tok, PROMPTS[0])
+        for event in speculative_decode(target, tok, ids, DraftModel(draft, 384), 3, GREEDY, 100, set(), stop):
+            events.append(event)
+            if event.step == 2:
+                stop.set()
+    assert events[-1].finished == "stopped" and events[-1].step == 3
+    result = summarise("speculative", events, "")
+    assert result.metrics.finish_reason == "stopped" and result.metrics.target_passes == 3
+
+
+def test_text_stream_handles_multibyte_characters(llama_pair):
+    tok = llama_pair[2]
+    text = "naïve café — 世界 🙂 done"
+    ids = tok(text)["input_ids"][:-1]
+    stream = TextStream(tok)
+    pieces = [stream.push(t) for t in ids]
+    assert "".join(pieces) + stream.flush() == text
+    assert "" in pieces  # a byte that completes no character yet
