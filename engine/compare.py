@@ -144,13 +144,18 @@ class Pair:
     draft: LoadedModel | None
 
 
-def load_pair(req: Request, progress=lambda msg: None) -> Pair:
-    target = MODELS.get(req.target, req.dtype, req.device, progress)
+def load_pair(req: Request) -> Iterator[Update | Pair]:
+    """Load target then draft, reporting each; the last item is the Pair."""
+    yield Update("status", message=f"loading target {req.target}")
+    target = MODELS.get(req.target, req.dtype, req.device)
+    yield Update("status", message="target " + target.describe())
     draft = None
     if req.drafter == "draft-model":
-        draft = MODELS.get(req.draft, req.dtype, req.device, progress)
+        yield Update("status", message=f"loading draft {req.draft}")
+        draft = MODELS.get(req.draft, req.dtype, req.device)
         check_vocab(target, draft)
-    return Pair(target, draft)
+        yield Update("status", message="draft " + draft.describe())
+    yield Pair(target, draft)
 
 
 def prompt_ids(req: Request, pair: Pair) -> list[int]:
@@ -198,11 +203,11 @@ def stream_compare(req: Request, stop: threading.Event | None = None) -> Iterato
 
 
 def _stream(req: Request, stop: threading.Event | None) -> Iterator[Update]:
-    messages: list[str] = []
-    pair = load_pair(req, messages.append)
-    for message in messages:
-        yield Update("status", message=message)
-    yield Update("status", message=pair.target.describe() + (f"; draft {pair.draft.describe()}" if pair.draft else ""))
+    for item in load_pair(req):
+        if isinstance(item, Pair):
+            pair = item
+        else:
+            yield item
     ids = prompt_ids(req, pair)
     tok, model = pair.target.tokenizer, pair.target.model
     eos = eos_ids(model, tok)

@@ -29,6 +29,7 @@ class StepEvent:
     p: list[float] = field(default_factory=list)  # target probability of each drafted token
     q: list[float] = field(default_factory=list)  # draft probability of each drafted token (1.0 if one-hot)
     accepted: int = 0  # how many drafted tokens were kept (a prefix)
+    rejected_pieces: list[str] = field(default_factory=list)  # text of each rejected draft token, for display
     token: int | None = None  # the target's own token; None when EOS inside the accepted drafts ended the run
     token_p: float | None = None  # its probability under the target
     draft_s: float = 0.0

@@ -73,6 +73,7 @@ def speculative_decode(
         verdict = verify(drafted, logits, draft.probs, cfg, generator)
         n = verdict.accepted
         tokens, pieces, finished = emit(stream, draft.tokens[:n] + [verdict.token], eos, room)
+        rejected = [tokenizer.decode([t]) for t in draft.tokens[n:]]
 
         # 4. roll back: the cache now holds [last, x_1..x_k]; keep [last, x_1..x_n]
         if k > n:
@@ -84,7 +85,7 @@ def speculative_decode(
         produced += len(tokens)
         yield StepEvent(
             step, "target" if k == 0 else "bonus" if n == k else "correction", tokens, pieces,
-            drafted=draft.tokens, p=verdict.p, q=verdict.q, accepted=n,
+            drafted=draft.tokens, p=verdict.p, q=verdict.q, accepted=n, rejected_pieces=rejected,
             token=verdict.token if len(tokens) > n else None, token_p=verdict.token_p,
             draft_s=t1 - t0, verify_s=t2 - t1, other_s=t3 - t2, elapsed_s=elapsed,
             draft_passes=draft.passes, finished=finished,

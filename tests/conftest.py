@@ -99,3 +99,45 @@ def model_dirs(tmp_path_factory, llama_pair):
     tiny_llama(seed=3).save_pretrained(root / "other-vocab")
     fast.save_pretrained(root / "other-vocab")
     return {name: str(root / name) for name in ("target", "draft", "other-vocab")}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def live_app():
+    """`python app.py` on a free loopback port, on the bundled model; yields its URL."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    port = _free_port()
+    env = dict(os.environ, GRADIO_SERVER_NAME="127.0.0.1", GRADIO_SERVER_PORT=str(port), GRADIO_ANALYTICS_ENABLED="0")
+    root = Path(__file__).resolve().parent.parent
+    log = open(root / ".pytest_cache" / "app.log", "w") if (root / ".pytest_cache").is_dir() else subprocess.DEVNULL
+    proc = subprocess.Popen([sys.executable, "app.py"], cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.time() + 240
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=2)
+                break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"app.py did not start (exit code {proc.poll()})")
+                time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()

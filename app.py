@@ -1,0 +1,34 @@
+"""SpecArena entry point: `python app.py` serves the app on port 7860.
+
+GRADIO_SERVER_NAME / GRADIO_SERVER_PORT override the address; SPECARENA_QUEUE_SIZE bounds the queue.
+The bundled model loads in the background at start, so the first run does not wait for it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from app.layout import CSS, THEME, build_demo
+from engine.models import BUNDLED, MODELS
+
+demo = build_demo()
+demo.queue(max_size=int(os.environ.get("SPECARENA_QUEUE_SIZE", "16")))
+
+
+def preload() -> None:
+    try:
+        MODELS.get(BUNDLED)
+    except Exception as exc:  # noqa: BLE001 - the UI reports load errors at run time
+        print(f"preloading {BUNDLED} failed: {exc}")
+
+
+if __name__ == "__main__":
+    threading.Thread(target=preload, daemon=True).start()
+    demo.launch(
+        server_name=os.environ.get("GRADIO_SERVER_NAME", "0.0.0.0"),
+        server_port=int(os.environ.get("GRADIO_SERVER_PORT", "7860")),
+        theme=THEME,
+        css=CSS,
+        footer_links=["api", "gradio"],
+    )

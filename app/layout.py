@@ -1,0 +1,126 @@
+"""The page: layout in `build_layout`, event wiring in `wire`, both called by `build_demo`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import gradio as gr
+
+from app import handlers, render
+from engine import presets
+from engine.compare import MAX_GAMMA, max_new_tokens_cap
+from engine.models import BUNDLED
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+CSS = (ASSETS / "style.css").read_text()
+THEME = gr.themes.Soft(primary_hue="violet", secondary_hue="emerald")
+DRAFTERS = [("draft model", "draft-model"), ("prompt lookup (no model)", "prompt-lookup"),
+            ("synthetic α (measurement tool)", "synthetic")]  # fmt: skip
+EXAMPLES = [  # (category, index, label): where speculation wins and where it loses
+    ("rewriting", 0, "wins · correct the spelling of given text"),
+    ("summarisation", 0, "wins · summarise given text"),
+    ("code", 1, "wins · edit given code"),
+    ("data_formatting", 0, "wins · text to JSON"),
+    ("creative_writing", 0, "loses · a poem"),
+    ("math_reasoning", 0, "loses · step-by-step arithmetic"),
+]
+
+INTRO = """# SpecArena
+**Speculative decoding, side by side.** A draft proposes γ tokens, the target checks them all in one pass.
+It is *lossless*: with greedy decoding both panes must show the same text; with sampling the speculative
+text follows exactly the target's distribution. Only the time changes. Baseline and speculative run one
+after the other on the same device, after a warm-up, so the numbers are honest."""
+
+
+def build_layout() -> SimpleNamespace:
+    ui = SimpleNamespace()
+    default = presets.pairs()[0]
+    gr.Markdown(INTRO)
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=1, min_width=300):
+            ui.preset = gr.Dropdown([p["name"] for p in presets.pairs()], value=default["name"], label="preset")
+            ui.preset_note = gr.Markdown(f"{default['note']}  \n*Measured on:* {default['measured_on']}")
+            ui.target = gr.Textbox(BUNDLED, label="target model", info="Hub id (org/name[@rev]), folder or bundled")
+            ui.drafter = gr.Radio(DRAFTERS, value=default["drafter"], label="drafter")
+            ui.draft = gr.Textbox(default["draft"], label="draft model", info="same vocabulary as the target")
+            with gr.Accordion("parameters", open=False, elem_id="parameters"):
+                ui.temperature = gr.Slider(0, 2, value=0, step=0.05, label="temperature", info="0 = greedy")
+                ui.top_p = gr.Slider(0.01, 1, value=1, step=0.01, label="top-p")
+                ui.top_k = gr.Number(0, precision=0, minimum=0, label="top-k (0 = off)")
+                ui.max_new_tokens = gr.Slider(
+                    1, max_new_tokens_cap(), value=128, step=1, label="max new tokens", elem_id="max-new-tokens"
+                )
+                ui.gamma = gr.Slider(1, MAX_GAMMA, value=default["gamma"], step=1, label="γ: draft tokens per step")
+                ui.seed = gr.Number(0, precision=0, label="seed (-1 = random)")
+                ui.chat = gr.Checkbox(True, label="chat template (when the target has one)")
+                ui.dtype = gr.Dropdown(["auto", "float32", "bfloat16", "float16"], value="auto", label="dtype")
+                ui.ngram = gr.Slider(1, 8, value=3, step=1, label="prompt lookup: longest n-gram")
+                ui.alpha = gr.Slider(0, 1, value=0.8, step=0.05, label="synthetic drafter: α")
+        with gr.Column(scale=2):
+            default_prompt = presets.tasks()["categories"]["rewriting"]["prompts"][0]
+            ui.prompt = gr.Textbox(default_prompt, lines=5, label="prompt", elem_id="prompt")
+            gr.Examples(
+                [[presets.tasks()["categories"][c]["prompts"][i]] for c, i, _ in EXAMPLES],
+                inputs=[ui.prompt],
+                example_labels=[label for _, _, label in EXAMPLES],
+                label="examples",
+            )
+            with gr.Row():
+                ui.run = gr.Button("Run", variant="primary", elem_id="run")
+                ui.stop = gr.Button("Stop", variant="stop", elem_id="stop")
+                ui.clear = gr.Button("Clear", elem_id="clear")
+            ui.status = gr.Markdown("", label="status", elem_id="status")
+    with gr.Row():
+        ui.legend = gr.HTML(render.LEGEND)
+        ui.show_rejected = gr.Checkbox(False, label="show rejected drafts", elem_id="show-rejected")
+    with gr.Row(equal_height=True):
+        ui.baseline = gr.HTML(
+            render.pane("Baseline (target alone)", "", "not started"), label="baseline", elem_id="baseline-pane"
+        )
+        ui.speculative = gr.HTML(
+            render.pane("Speculative (draft + target)", "", "not started"), label="speculative", elem_id="spec-pane"
+        )
+    ui.summary = gr.HTML(render.summary(None, None, None, None), label="summary", elem_id="summary")
+    ui.chart = gr.Plot(label="live charts", elem_id="live-chart")
+    ui.memory = gr.Plot(label="memory", elem_id="memory-chart")
+    ui.timer = gr.Timer(2.0)
+    with gr.Accordion("history and downloads", open=False):
+        ui.history = gr.State([])
+        ui.history_table = gr.Dataframe(headers=handlers.HISTORY_COLUMNS, label="history", interactive=False, wrap=True)
+        ui.files = gr.File(label="downloads", file_count="multiple", interactive=False)
+    ui.result = gr.JSON(label="result", visible=False)
+    return ui
+
+
+def wire(ui: SimpleNamespace) -> None:
+    inputs = [ui.prompt, ui.target, ui.drafter, ui.draft, ui.temperature, ui.top_p, ui.top_k, ui.max_new_tokens,
+              ui.gamma, ui.seed, ui.chat, ui.dtype, ui.ngram, ui.alpha, ui.history]  # fmt: skip
+    outputs = [ui.result, ui.status, ui.baseline, ui.speculative, ui.summary, ui.chart, ui.history,
+               ui.history_table, ui.files]  # fmt: skip
+    # no progress overlay: its animation alone costs a CPU machine a good share of the model's speed
+    run_args = dict(
+        inputs=inputs, outputs=outputs, concurrency_limit=1, concurrency_id="device", show_progress="hidden"
+    )
+    ui.run.click(handlers.compare, api_name="compare", **run_args)
+    ui.prompt.submit(handlers.compare, api_visibility="private", **run_args)
+    ui.stop.click(handlers.stop, outputs=[ui.status], queue=False, api_visibility="private")
+    ui.clear.click(
+        handlers.clear,
+        outputs=[ui.result, ui.prompt, ui.status, ui.baseline, ui.speculative, ui.summary, ui.chart],
+        api_visibility="private",
+    )
+    ui.preset.change(
+        handlers.apply_preset,
+        inputs=[ui.preset],
+        outputs=[ui.target, ui.drafter, ui.draft, ui.gamma, ui.dtype, ui.alpha, ui.preset_note],
+        api_visibility="private",
+    )
+    ui.timer.tick(handlers.memory_tick, outputs=[ui.memory], queue=False, api_visibility="private")
+
+
+def build_demo() -> gr.Blocks:
+    with gr.Blocks(title="SpecArena") as demo:
+        with gr.Tab("Playground"):
+            wire(build_layout())
+    return demo

@@ -1,0 +1,130 @@
+"""App handlers called directly on tiny models: streaming, rendering, escaping, stop, history."""
+
+from __future__ import annotations
+
+import json
+import threading
+from types import SimpleNamespace
+
+import gradio as gr
+import pytest
+
+from app import charts, handlers, render
+from engine.metrics import StepEvent
+
+
+def ui_values(model_dirs, **over):
+    values = dict(
+        prompt="abc abc abc abc", target=model_dirs["target"], drafter="draft-model", draft=model_dirs["draft"],
+        temperature=0, top_p=1, top_k=0, max_new_tokens=30, gamma=3, seed=0, chat=True, dtype="auto",
+        ngram=3, alpha=0.8, history=[],
+    )  # fmt: skip
+    values.update(over)
+    return values
+
+
+def run_handler(values, session="s1"):
+    return list(handlers.compare(**values, request=SimpleNamespace(session_hash=session)))
+
+
+def test_compare_streams_and_ends_with_a_lossless_result(model_dirs):
+    outputs = run_handler(ui_values(model_dirs))
+    assert len(outputs) > 3  # loading, warm-up, streaming updates, final
+    result, status, base_pane, spec_pane, summary, chart, history, table, files = outputs[-1]
+    assert result["identical"] is True
+    assert result["baseline"]["text"] == result["speculative"]["text"]
+    assert result["speculative"]["metrics"]["new_tokens"] == 30
+    assert "sa-acc" in spec_pane and ("sa-cor" in spec_pane or "sa-bon" in spec_pane)
+    assert "outputs identical" in summary
+    assert len(history) == 1 and history[0][1] == model_dirs["target"]
+    figure = json.loads(chart.plot)
+    assert {t["type"] for t in figure["data"]} == {"scatter", "bar"}
+    run_json, history_csv = files
+    saved = json.loads(open(run_json).read())
+    assert {"settings", "environment", "baseline", "speculative"} <= set(saved)
+    assert saved["speculative"]["steps"] and saved["environment"]["torch"]
+    assert open(history_csv).read().startswith("time,target,drafter")
+
+
+def test_history_accumulates_across_runs(model_dirs):
+    first = run_handler(ui_values(model_dirs, max_new_tokens=5))[-1][6]
+    second = run_handler(ui_values(model_dirs, max_new_tokens=5, drafter="prompt-lookup", history=first))[-1][6]
+    assert [row[2] for row in second] == ["draft-model", "prompt-lookup"]
+
+
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        (dict(prompt="  "), "prompt is empty"),
+        (dict(gamma=0), "gamma 0 is out of range"),
+        (dict(temperature=2.5), "temperature"),
+        (dict(top_k=1.5), "not a whole number"),
+        (dict(target="/no/such/dir"), "does not exist"),
+        (dict(draft=""), "needs a draft model"),
+    ],
+)
+def test_bad_input_raises_a_clear_gradio_error(model_dirs, over, message):
+    with pytest.raises(gr.Error) as err:
+        run_handler(ui_values(model_dirs, **over))
+    assert message in str(err.value)
+
+
+def test_mismatched_vocabulary_is_reported(model_dirs):
+    with pytest.raises(gr.Error) as err:
+        run_handler(ui_values(model_dirs, draft=model_dirs["other-vocab"]))
+    assert "vocabulary" in str(err.value)
+
+
+def test_stop_ends_this_session_only(model_dirs):
+    values = ui_values(model_dirs, max_new_tokens=200, prompt="stop me")
+    seen, done = [], threading.Event()
+
+    def consume():
+        for out in handlers.compare(**values, request=SimpleNamespace(session_hash="stopper")):
+            seen.append(out)
+            if "running baseline" in str(out[1]) and handlers.STOPS.stop("other-session") is False:
+                handlers.STOPS.stop("stopper")
+        done.set()
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    assert done.wait(120)
+    result = seen[-1][0]
+    assert result["baseline"]["metrics"]["finish_reason"] == "stopped"
+    assert result["baseline"]["metrics"]["new_tokens"] < 200
+    assert "stopped by user" in seen[-1][1]
+    # the next run is unaffected
+    assert run_handler(ui_values(model_dirs, max_new_tokens=4), "stopper")[-1][0]["identical"] is True
+
+
+def test_model_output_is_escaped():
+    evil = "<script>alert(1)</script>"
+    step = StepEvent(1, "correction", [5, 6], ['<img src=x onerror="x">', evil], drafted=[5, 9], p=[0.9, 0.1],
+                     q=[0.8, 0.7], accepted=1, rejected_pieces=["<b>"], token=6, token_p=0.5)  # fmt: skip
+    html = render.speculative_tokens([step]) + render.baseline_tokens([step])
+    assert "<script>" not in html and "<img" not in html and "<b>" not in html
+    assert "&lt;script&gt;" in html and "sa-rej" in html
+
+
+def test_colours_follow_token_origin():
+    steps = [
+        StepEvent(0, "prefill", [1], ["a"], token=1, token_p=0.9),
+        StepEvent(1, "bonus", [2, 3, 4], ["b", "c", "d"], drafted=[2, 3], p=[0.9, 0.8], q=[1, 1], accepted=2,
+                  token=4, token_p=0.7),
+        StepEvent(2, "correction", [5], ["e"], drafted=[9, 9], p=[0.1, 0.2], q=[1, 1], accepted=0,
+                  rejected_pieces=["x", "y"], token=5, token_p=0.6),
+    ]  # fmt: skip
+    html = render.speculative_tokens(steps)
+    assert html.count("sa-acc") == 2 and html.count("sa-bon") == 1 and html.count("sa-cor") == 1
+    assert html.count("sa-rej") == 2 and html.count("sa-tgt") == 1
+    assert "p=0.900 q=1.000" in html
+
+
+def test_clear_and_presets_and_memory_chart():
+    assert handlers.clear()[0] == {}
+    target, drafter, draft, gamma, dtype, alpha, note = handlers.apply_preset(
+        "Qwen2.5-7B-Instruct + Qwen2.5-0.5B-Instruct (GPU)"
+    )
+    assert (target, drafter, draft) == ("Qwen/Qwen2.5-7B-Instruct", "draft-model", "Qwen/Qwen2.5-0.5B-Instruct")
+    figure = charts.memory_figure([{"t": 0.0, "used_mb": 10.0}, {"t": 1.0, "used_mb": 12.0}], "process RSS")
+    assert figure["data"][0]["y"] == [10.0, 12.0]
