@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from engine.errors import UserError
 from engine.models import BUNDLED
@@ -22,9 +23,12 @@ def add_pair_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+def add_sampling_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=64 if sweep else 128)
+    if sweep:
+        p.add_argument("--temperature", default="0", help="comma-separated, e.g. 0,0.7 (0 = greedy)")
+    else:
+        p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
@@ -42,6 +46,19 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--prompt", required=True)
     run.add_argument("--gamma", type=int, default=4, help="draft tokens per step (1-16)")
     run.add_argument("--json", action="store_true", help="print one JSON object")
+
+    bench = sub.add_parser("bench", help="repeated A/B sweeps, task suite, or a comparison with HF generate()")
+    add_pair_args(bench)
+    add_sampling_args(bench, sweep=True)
+    bench.add_argument("--prompt", action="append", help="a prompt (repeatable); default: the task suite")
+    bench.add_argument("--suite", help="task categories (comma-separated) or a prompts file (.json, or one a line)")
+    bench.add_argument("--per-category", type=int, default=None, help="prompts per category (default: all)")
+    bench.add_argument("--gamma", default="4", help="comma-separated, e.g. 1,2,4,8")
+    bench.add_argument("--drafters", help="comma-separated drafters to sweep (default: --drafter)")
+    bench.add_argument("--repeats", type=int, default=3, help="A/B pairs per prompt and cell")
+    bench.add_argument("--compare", choices=["hf"], help="hf: HF generate() and assisted generation vs ours")
+    bench.add_argument("--json", metavar="PATH", help="write the whole report as JSON")
+    bench.add_argument("--report", metavar="DIR", help="write report.json, report.csv and settings.md")
     return top
 
 
@@ -106,7 +123,105 @@ def cmd_run(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run}
+def _numbers(text: str, kind, name: str) -> list:
+    try:
+        return [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--{name} {text!r} is not a comma-separated list of numbers, e.g. 1,2,4.") from None
+
+
+def _progress(done: int, total: int, what: str) -> None:
+    width = 24
+    filled = int(width * done / total) if total else width
+    print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {what[:60]:60}", end="", file=sys.stderr)
+    if done == total:
+        print(file=sys.stderr)
+
+
+def bench_prompts(args) -> dict[str, list[str]]:
+    from engine import presets
+
+    if args.prompt:
+        return {"prompts": args.prompt}
+    return presets.suite(args.suite, args.per_category)
+
+
+def cmd_bench(args) -> int:
+    from engine import bench, hfcompare, report
+    from engine.bench import Stopped
+
+    temperatures = _numbers(args.temperature, float, "temperature")
+    gammas = _numbers(args.gamma, int, "gamma")
+    args.temperature = temperatures[0]
+    base = request_from(args, gamma=gammas[0], prompt="-")
+    prompts = bench_prompts(args)
+    try:
+        if args.compare == "hf":
+            flat = [p for ps in prompts.values() for p in ps]
+            data = hfcompare.compare_hf(base, flat, args.repeats, _progress)
+            print(hf_table(data))
+        else:
+            drafters = args.drafters.split(",") if args.drafters else [base.drafter]
+            data = bench.sweep(base, prompts, gammas, temperatures, drafters, args.repeats, _progress)
+            print(sweep_table(data))
+    except Stopped:
+        return 130
+    if args.json:
+        Path(args.json).write_text(json.dumps(data, indent=1))
+    if args.report:
+        for path in report.write(data, args.report).values():
+            print(f"wrote {path}")
+    return 0
+
+
+def _spread(s: dict, spec: str = ".2f", suffix: str = "") -> str:
+    if s["median"] is None:
+        return "-"
+    return f"{s['median']:{spec}}{suffix} ({s['min']:{spec}}-{s['max']:{spec}})"
+
+
+def sweep_table(data: dict) -> str:
+    env = data["environment"]
+    lines = [f"{data['settings']['target']} on {env['device_name']} ({env['dtype']}), "
+             f"torch {env['torch']}, transformers {env['transformers']}",
+             f"{'drafter':15}{'gamma':>6}{'temp':>6}  {'speedup (min-max)':22}{'accept':>8}{'tok/s base':>12}"
+             f"{'tok/s spec':>12}  identical"]  # fmt: skip
+    for c in data["cells"]:
+        accept = c["acceptance_rate"]["median"]
+        lines.append(
+            f"{c['drafter']:15}{c['gamma']:>6}{c['temperature']:>6}  {_spread(c['speedup'], '.2f', 'x'):22}"
+            f"{'-' if accept is None else f'{accept:.2f}':>8}{c['baseline_tps']['median']:>12.1f}"
+            f"{c['speculative_tps']['median']:>12.1f}  {'yes' if c['all_identical'] else 'NO'}"
+        )
+        if len(c["by_category"]) > 1:
+            for name, stats in c["by_category"].items():
+                acc = stats["acceptance_rate"]["median"]
+                lines.append(f"    {name:25}{_spread(stats['speedup'], '.2f', 'x'):22}"
+                             f"{'-' if acc is None else f'{acc:.2f}':>8}")  # fmt: skip
+    for fit in data["fits"]:
+        lines.append(f"{fit['drafter']} at temperature {fit['temperature']}: {fit['verdict']}")
+    return "\n".join(lines)
+
+
+def hf_table(data: dict) -> str:
+    from engine.hfcompare import median_of
+
+    env, s = data["environment"], data["settings"]
+    lines = [f"{s['target']} on {env['device_name']} ({env['dtype']}), drafter {s['drafter']}, gamma {s['gamma']}, "
+             f"torch {env['torch']}, transformers {env['transformers']}",
+             "end-to-end tokens/s, median (min-max):"]  # fmt: skip
+    lines += [f"  {name:18}{_spread(spread, '.1f')}" for name, spread in data["speeds"].items()]
+    lines.append("ratios, median (min-max):")
+    lines += [f"  {name:28}{_spread(spread, '.2f')}" for name, spread in data["ratios"].items()]
+    ratio = median_of(data, "speedup_ratio_ours_over_hf")
+    mp = median_of(data, "ours_measured_over_predicted")
+    lines.append(f"  {'our speedup / HF speedup':28}{'-' if ratio is None else f'{ratio:.2f}'}")
+    lines.append(f"  {'ours measured / predicted':28}{'-' if mp is None else f'{mp:.2f}'}")
+    lines.append("all outputs identical: " + ("yes" if all(r["all_identical"] for r in data["runs"]) else "NO"))
+    return "\n".join(lines)
+
+
+COMMANDS = {"run": cmd_run, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,11 +9,14 @@ from __future__ import annotations
 import threading
 from typing import Iterator
 
+import torch
+
 from engine.metrics import StepEvent
 from engine.runtime import Clock, TextStream, emit, forward, prefill
 from engine.sampling import SamplingConfig, choose
 
 
+@torch.inference_mode()  # per resumption: a UI may resume this generator on another thread
 def baseline_decode(
     target,
     tokenizer,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import platform
 import threading
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator
 
@@ -188,12 +189,43 @@ def _run(mode: str, events: Iterator[StepEvent], tokenizer) -> Iterator[Update]:
     yield Update(mode, result=summarise(mode, steps, text))  # type: ignore[arg-type]
 
 
-def stream_compare(req: Request, stop: threading.Event | None = None) -> Iterator[Update]:
-    """Validate, load, warm up, then run baseline and speculative one after the other."""
-    req.validate()
+def run_baseline(pair: Pair, ids: list[int], req: Request, stop=None) -> Iterator[Update]:
+    """The target alone; the last Update carries the RunResult."""
+    model, tok = pair.target.model, pair.target.tokenizer
+    events = baseline_decode(model, tok, ids, req.sampling, req.max_new_tokens, eos_ids(model, tok), stop)
+    return _run("baseline", events, tok)
+
+
+def run_speculative(pair: Pair, ids: list[int], req: Request, reference: list[int], stop=None) -> Iterator[Update]:
+    """Draft + target; `reference` is the target's own continuation, used only by the synthetic drafter."""
+    model, tok = pair.target.model, pair.target.tokenizer
+    drafter = make_drafter(req, pair, ids, reference)
+    events = speculative_decode(
+        model, tok, ids, drafter, req.gamma, req.sampling, req.max_new_tokens, eos_ids(model, tok), stop
+    )
+    return _run("speculative", events, tok)
+
+
+def result_of(updates: Iterator[Update]) -> RunResult:
+    """Drain a run's updates and return its RunResult."""
+    result = None
+    for update in updates:
+        result = update.result or result
+    return result  # type: ignore[return-value]
+
+
+def warm_up(pair: Pair, ids: list[int], req: Request) -> None:
+    """A few tokens of each kind of run, so the timed runs see warm caches, allocators and kernels."""
+    warm = replace(req, max_new_tokens=min(8, req.max_new_tokens))
+    result_of(run_baseline(pair, ids, warm))
+    result_of(run_speculative(pair, ids, warm, []))
+
+
+@contextmanager
+def guarded():
+    """An out-of-memory error turned into advice, after freeing what we can."""
     try:
-        with torch.inference_mode():
-            yield from _stream(req, stop)
+        yield
     except torch.OutOfMemoryError as exc:
         free_memory()
         raise OutOfMemory(
@@ -202,37 +234,35 @@ def stream_compare(req: Request, stop: threading.Event | None = None) -> Iterato
         ) from exc
 
 
-def _stream(req: Request, stop: threading.Event | None) -> Iterator[Update]:
-    for item in load_pair(req):
-        if isinstance(item, Pair):
-            pair = item
-        else:
-            yield item
-    ids = prompt_ids(req, pair)
-    tok, model = pair.target.tokenizer, pair.target.model
-    eos = eos_ids(model, tok)
-    if req.warmup:
-        yield Update("status", message="warming up")
-        warm = replace(req, max_new_tokens=min(8, req.max_new_tokens))
-        for _ in baseline_decode(model, tok, ids, req.sampling, warm.max_new_tokens, eos):
-            pass
-        for _ in speculative_decode(
-            model, tok, ids, make_drafter(warm, pair, ids, []), req.gamma, req.sampling, warm.max_new_tokens, eos
-        ):
-            pass
-    yield Update("status", message="running baseline")
-    baseline = None
-    for update in _run("baseline", baseline_decode(model, tok, ids, req.sampling, req.max_new_tokens, eos, stop), tok):
-        baseline = update.result or baseline
-        yield update
-    yield Update("status", message="running speculative")
-    drafter = make_drafter(req, pair, ids, baseline.token_ids)
-    events = speculative_decode(model, tok, ids, drafter, req.gamma, req.sampling, req.max_new_tokens, eos, stop)
-    speculative = None
-    for update in _run("speculative", events, tok):
-        speculative = update.result or speculative
-        yield update
-    yield Update("done", result=Comparison(req, baseline, speculative, environment(pair.target)))
+def open_pair(req: Request) -> Iterator[Update | Pair]:
+    """Validate and load; status Updates, then the Pair."""
+    req.validate()
+    yield from load_pair(req)
+
+
+def stream_compare(req: Request, stop: threading.Event | None = None) -> Iterator[Update]:
+    """Validate, load, warm up, then run baseline and speculative one after the other."""
+    with guarded():
+        for item in open_pair(req):
+            if isinstance(item, Pair):
+                pair = item
+            else:
+                yield item
+        ids = prompt_ids(req, pair)
+        if req.warmup:
+            yield Update("status", message="warming up")
+            warm_up(pair, ids, req)
+        yield Update("status", message="running baseline")
+        baseline = None
+        for update in run_baseline(pair, ids, req, stop):
+            baseline = update.result or baseline
+            yield update
+        yield Update("status", message="running speculative")
+        speculative = None
+        for update in run_speculative(pair, ids, req, baseline.token_ids, stop):
+            speculative = update.result or speculative
+            yield update
+        yield Update("done", result=Comparison(req, baseline, speculative, environment(pair.target)))
 
 
 def compare(req: Request, stop: threading.Event | None = None) -> Comparison:

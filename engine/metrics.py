@@ -93,17 +93,22 @@ class RunResult:
         return out
 
 
-def _per_position(decode: list[StepEvent]) -> tuple[list[float | None], list[int]]:
+def position_counts(decode: list[StepEvent]) -> list[tuple[int, int]]:
+    """Per draft position i: (steps that drafted i with drafts 1..i-1 all accepted, of those, steps keeping i)."""
     longest = max((len(s.drafted) for s in decode), default=0)
-    reached = [0] * longest  # steps in which position i was drafted and all before it accepted
-    kept = [0] * longest
-    hist = [0] * (longest + 1)
+    reached, kept = [0] * longest, [0] * longest
     for s in decode:
-        hist[s.accepted] += 1
         for i in range(min(len(s.drafted), s.accepted + 1)):
             reached[i] += 1
             kept[i] += i < s.accepted
-    rates = [k / r if r else None for k, r in zip(kept, reached)]
+    return list(zip(reached, kept))
+
+
+def _per_position(decode: list[StepEvent]) -> tuple[list[float | None], list[int]]:
+    rates = [k / r if r else None for r, k in position_counts(decode)]
+    hist = [0] * (len(rates) + 1)
+    for s in decode:
+        hist[s.accepted] += 1
     return rates, hist
 
 

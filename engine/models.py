@@ -218,7 +218,7 @@ def _load(spec: str, device: torch.device, dtype: torch.dtype, progress: Progres
         model.to(device)
     except torch.OutOfMemoryError as exc:
         raise OutOfMemory(f"out of memory moving {source.spec} to {device}: try a smaller dtype or pair.") from exc
-    model.eval()
+    model.eval().requires_grad_(False)
     params = sum(p.numel() for p in model.parameters())
     return LoadedModel(source.spec, model, tokenizer, device, dtype, time.perf_counter() - start, params)
 

@@ -28,6 +28,7 @@ from engine.runtime import Clock, TextStream, emit, forward, prefill
 from engine.sampling import SamplingConfig, verify
 
 
+@torch.inference_mode()  # per resumption: a UI may resume this generator on another thread
 def speculative_decode(
     target,
     tokenizer,

@@ -1,0 +1,237 @@
+"""Repeated A/B measurements: sweeps over gamma, temperature and drafter, and the task-category suite.
+
+Every measurement is a pair of runs on one prompt, baseline and speculative, one after the other on the
+same device, their order alternating between repeats so that drift (thermal, caches, other load) hits
+both sides alike. Speedup is the ratio within a pair; a cell reports the median and the spread (min,
+max) over its pairs. A warm-up on each prompt comes first.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from dataclasses import asdict, dataclass, field, replace
+from typing import Callable
+
+from engine.compare import (
+    Pair,
+    Request,
+    environment,
+    guarded,
+    open_pair,
+    prompt_ids,
+    result_of,
+    run_baseline,
+    run_speculative,
+    warm_up,
+)
+from engine.errors import UserError
+from engine.metrics import RunResult, position_counts
+
+Progress = Callable[[int, int, str], None]  # (done, total, what)
+
+
+def _quiet(done: int, total: int, what: str) -> None:
+    pass
+
+
+class Stopped(Exception):
+    """The caller's stop flag was set between two measurements."""
+
+
+@dataclass
+class Sample:
+    """One A/B pair on one prompt."""
+
+    prompt: int
+    repeat: int
+    order: str  # "AB" (baseline first) or "BA"
+    baseline_tps: float
+    speculative_tps: float
+    speedup: float
+    acceptance_rate: float | None
+    mean_accepted_length: float
+    new_tokens: int
+    identical: bool | None
+    baseline_step_s: float  # decode time per baseline token
+    draft_token_s: float | None  # draft time per drafted token
+    verify_pass_s: float  # verify time per decode pass
+    drafted: int
+    accepted: int
+    positions: list[list[int]] = field(default_factory=list)  # per draft position: [reached, kept]
+
+    @classmethod
+    def of(cls, prompt: int, repeat: int, order: str, base: RunResult, spec: RunResult, greedy: bool) -> "Sample":
+        b, s = base.metrics, spec.metrics
+        decode_passes = max(s.target_passes - 1, 1)
+        return cls(
+            prompt=prompt,
+            repeat=repeat,
+            order=order,
+            baseline_tps=b.tokens_per_s,
+            speculative_tps=s.tokens_per_s,
+            speedup=s.tokens_per_s / b.tokens_per_s if b.tokens_per_s else 0.0,
+            acceptance_rate=s.acceptance_rate,
+            mean_accepted_length=s.mean_accepted_length,
+            new_tokens=s.new_tokens,
+            identical=(base.token_ids == spec.token_ids) if greedy else None,
+            baseline_step_s=1 / b.tokens_per_s if b.tokens_per_s else 0.0,
+            draft_token_s=s.draft_s / s.drafted_tokens if s.drafted_tokens else None,
+            verify_pass_s=s.verify_s / decode_passes,
+            drafted=s.drafted_tokens,
+            accepted=s.accepted_tokens,
+            positions=[list(p) for p in position_counts(spec.steps[1:])],
+        )
+
+
+def spread(values: list[float]) -> dict:
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def _stats(samples: list[Sample]) -> dict:
+    return {
+        "speedup": spread([s.speedup for s in samples]),
+        "acceptance_rate": spread([s.acceptance_rate for s in samples]),
+        "mean_accepted_length": spread([s.mean_accepted_length for s in samples]),
+        "baseline_tps": spread([s.baseline_tps for s in samples]),
+        "speculative_tps": spread([s.speculative_tps for s in samples]),
+        "all_identical": all(s.identical is not False for s in samples),
+    }
+
+
+@dataclass
+class Cell:
+    drafter: str
+    gamma: int
+    temperature: float
+    samples: list[Sample]
+    categories: list[str]  # the category of each sample
+
+    def summary(self) -> dict:
+        by_category = {}
+        for name in dict.fromkeys(self.categories):
+            by_category[name] = _stats([s for s, c in zip(self.samples, self.categories) if c == name])
+        head = {"drafter": self.drafter, "gamma": self.gamma, "temperature": self.temperature}
+        return head | _stats(self.samples) | {"by_category": by_category}
+
+
+class Session:
+    """A loaded pair plus the settings every measurement shares; runs A/B pairs on demand."""
+
+    def __init__(self, base: Request, progress: Progress = _quiet, stop: threading.Event | None = None):
+        self.base = base.validate()
+        self.progress, self.stop = progress, stop
+        self.pair: Pair = [x for x in open_pair(base) if isinstance(x, Pair)][0]
+        self.environment = environment(self.pair.target)
+        self._references: dict[tuple, list[int]] = {}
+        self._warm: set[tuple] = set()
+
+    def with_draft(self, drafter: str) -> "Session":
+        """The draft model is loaded only if a draft-model cell is asked for."""
+        if drafter == "draft-model" and self.pair.draft is None:
+            loaded = [x for x in open_pair(replace(self.base, drafter=drafter)) if isinstance(x, Pair)][0]
+            self.pair = loaded
+        return self
+
+    def _check_stop(self) -> None:
+        if self.stop is not None and self.stop.is_set():
+            raise Stopped()
+
+    def reference(self, prompt: str, ids: list[int]) -> list[int]:
+        """The target's greedy continuation, for the synthetic drafter (computed once per prompt)."""
+        key = (prompt, self.base.max_new_tokens)
+        if key not in self._references:
+            greedy = replace(self.base, prompt=prompt, sampling=replace(self.base.sampling, temperature=0.0))
+            self._references[key] = result_of(run_baseline(self.pair, ids, greedy)).token_ids
+        return self._references[key]
+
+    def ab(self, req: Request, prompt_index: int, repeats: int) -> list[Sample]:
+        """`repeats` A/B pairs on one prompt, alternating which side runs first."""
+        self.with_draft(req.drafter)
+        ids = prompt_ids(req, self.pair)
+        reference = self.reference(req.prompt, ids) if req.drafter == "synthetic" else []
+        key = (req.prompt, req.drafter, req.gamma, req.sampling.temperature)
+        with guarded():
+            if key not in self._warm:
+                warm_up(self.pair, ids, req)
+                self._warm.add(key)
+            samples = []
+            for r in range(repeats):
+                self._check_stop()
+                seeded = replace(req, sampling=replace(req.sampling, seed=(req.sampling.seed or 0) + r))
+                if r % 2 == 0:
+                    base = result_of(run_baseline(self.pair, ids, seeded))
+                    spec = result_of(run_speculative(self.pair, ids, seeded, reference))
+                else:
+                    spec = result_of(run_speculative(self.pair, ids, seeded, reference))
+                    base = result_of(run_baseline(self.pair, ids, seeded))
+                order = "AB" if r % 2 == 0 else "BA"
+                samples.append(Sample.of(prompt_index, r, order, base, spec, req.sampling.greedy))
+        return samples
+
+
+def _cell_request(base: Request, drafter: str, gamma: int, temperature: float, prompt: str) -> Request:
+    sampling = replace(base.sampling, temperature=temperature)
+    draft = base.draft if drafter == "draft-model" else None
+    return replace(base, drafter=drafter, draft=draft, gamma=gamma, sampling=sampling, prompt=prompt).validate()
+
+
+def sweep(
+    base: Request,
+    prompts: dict[str, list[str]],
+    gammas: list[int],
+    temperatures: list[float],
+    drafters: list[str],
+    repeats: int = 3,
+    progress: Progress = _quiet,
+    stop: threading.Event | None = None,
+) -> dict:
+    """Every (drafter, gamma, temperature) cell measured on every prompt (grouped by task category).
+
+    A task-suite run is a sweep with one cell: its `by_category` gives speedup and acceptance per task.
+    """
+    flat = [(category, p) for category, ps in prompts.items() for p in ps]
+    if not flat or not gammas or not temperatures or not drafters:
+        raise UserError("a sweep needs at least one prompt, gamma, temperature and drafter.")
+    if repeats < 1:
+        raise UserError(f"repeats {repeats} is out of range: use 1 or more.")
+    if "draft-model" in drafters and not base.draft:
+        raise UserError("the sweep includes the draft-model drafter but no draft model is set.")
+    grid = [(d, g, t) for d in drafters for t in temperatures for g in gammas]
+    for d, g, t in grid:  # every cell's settings are checked before hours of measuring start
+        _cell_request(base, d, g, t, flat[0][1])
+    session = Session(_cell_request(base, *grid[0], flat[0][1]), progress, stop)
+    total, done, cells = len(grid) * len(flat), 0, []
+    for drafter, gamma, temperature in grid:
+        samples = []
+        for i, (category, prompt) in enumerate(flat):
+            progress(done, total, f"{drafter}, gamma {gamma}, temperature {temperature}: {category} {i + 1}")
+            samples += session.ab(_cell_request(base, drafter, gamma, temperature, prompt), i, repeats)
+            done += 1
+        categories = [c for c, _ in flat for _ in range(repeats)]
+        cells.append(Cell(drafter, gamma, temperature, samples, categories))
+    progress(total, total, "done")
+    from engine.predict import fit_all
+
+    settings = _settings(base, flat, repeats) | {"gammas": gammas, "temperatures": temperatures, "drafters": drafters}
+    return {
+        "kind": "sweep",
+        "settings": settings,
+        "environment": session.environment,
+        "cells": [c.summary() for c in cells],
+        "samples": [
+            dict(cell=i, category=cat, **asdict(s))
+            for i, c in enumerate(cells)
+            for s, cat in zip(c.samples, c.categories)
+        ],  # fmt: skip
+        "fits": fit_all(cells),
+    }
+
+
+def _settings(base: Request, prompts: list[tuple[str, str]], repeats: int) -> dict:
+    data = asdict(replace(base, prompt=""))
+    data.pop("prompt")
+    return data | {"prompts": [{"category": c, "prompt": p} for c, p in prompts], "repeats": repeats}

@@ -1,0 +1,149 @@
+"""Our engine against Hugging Face `generate()`, on the same pair, prompts and settings, in one process.
+
+Four contenders per prompt and repeat, their order rotating between repeats after a warm-up of each:
+HF plain generate, HF assisted generation (a draft model with a constant `num_assistant_tokens` and no
+confidence cut-off, or `prompt_lookup_num_tokens`), our baseline, our speculative loop. Speeds are
+end to end (new tokens / wall time including the prefill), since `generate()` reports nothing finer.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+
+import torch
+
+from engine.bench import Progress, Session, _quiet, spread
+from engine.compare import Request, prompt_ids, result_of, run_baseline, run_speculative
+from engine.errors import UserError
+from engine.predict import expected_tokens
+from engine.runtime import Clock, eos_ids
+
+CONTENDERS = ("hf_generate", "hf_assisted", "ours_baseline", "ours_speculative")
+
+
+def _hf_kwargs(session: Session, req: Request) -> dict:
+    target = session.pair.target
+    kwargs = dict(max_new_tokens=req.max_new_tokens, eos_token_id=sorted(eos_ids(target.model, target.tokenizer)))
+    kwargs["pad_token_id"] = target.tokenizer.pad_token_id or kwargs["eos_token_id"][0]
+    if req.sampling.greedy:
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    else:
+        s = req.sampling
+        kwargs.update(do_sample=True, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or None)
+    return kwargs
+
+
+def _assisted_kwargs(session: Session, req: Request) -> dict:
+    if req.drafter == "prompt-lookup":
+        return dict(prompt_lookup_num_tokens=req.gamma, max_matching_ngram_size=req.ngram)
+    draft = session.pair.draft.model
+    # HF reads these from the assistant's generation config; fixed gamma, no early stop, as ours
+    draft.generation_config.num_assistant_tokens = req.gamma
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0
+    return dict(assistant_model=draft)
+
+
+def _hf_run(session: Session, ids: list[int], kwargs: dict) -> tuple[float, list[int]]:
+    model = session.pair.target.model
+    inputs = torch.tensor([ids], device=model.device)
+    clock = Clock(model.device)
+    with torch.inference_mode():
+        start = clock.now()
+        out = model.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
+        elapsed = clock.now() - start
+    new = out[0, len(ids) :].tolist()
+    return len(new) / elapsed, new
+
+
+def compare_hf(base: Request, prompts: list[str], repeats: int = 3, progress: Progress = _quiet, stop=None) -> dict:
+    """Speeds of the four contenders, their ratios (median, min, max) and ours measured vs predicted."""
+    if base.drafter == "synthetic":
+        raise UserError("HF has no synthetic drafter: compare with --drafter prompt-lookup or a --draft model.")
+    session = Session(replace(base, prompt=prompts[0]), progress, stop).with_draft(base.drafter)
+    rows, total = [], len(prompts) * repeats
+    for i, prompt in enumerate(prompts):
+        req = replace(base, prompt=prompt).validate()
+        ids = prompt_ids(req, session.pair)
+        runners = {
+            "hf_generate": lambda: _hf_run(session, ids, _hf_kwargs(session, req)),
+            "hf_assisted": lambda: _hf_run(session, ids, _hf_kwargs(session, req) | _assisted_kwargs(session, req)),
+            "ours_baseline": lambda: _ours(run_baseline(session.pair, ids, req)),
+            "ours_speculative": lambda: _ours(run_speculative(session.pair, ids, req, [])),
+        }
+        for name in CONTENDERS:  # warm-up
+            runners[name]()
+        for r in range(repeats):
+            session._check_stop()
+            progress(i * repeats + r, total, f"prompt {i + 1}, repeat {r + 1}")
+            order = CONTENDERS[r % 4 :] + CONTENDERS[: r % 4]
+            got = {name: runners[name]() for name in order}
+            rows.append(_row(i, r, order, got))
+    progress(total, total, "done")
+    return {
+        "kind": "compare_hf",
+        "settings": {k: v for k, v in vars(base).items() if k != "prompt"} | {"prompts": prompts, "repeats": repeats},
+        "environment": session.environment,
+        "ratios": {key: spread([row[key] for row in rows]) for key in RATIOS},
+        "speeds": {name: spread([row[name]["tokens_per_s"] for row in rows]) for name in CONTENDERS},
+        "runs": rows,
+    }
+
+
+RATIOS = {
+    "ours_spec_over_hf_assisted": ("ours_speculative", "hf_assisted"),
+    "ours_base_over_hf_generate": ("ours_baseline", "hf_generate"),
+    "ours_speedup": ("ours_speculative", "ours_baseline"),
+    "hf_speedup": ("hf_assisted", "hf_generate"),
+}
+
+
+def _ours(updates) -> tuple[float, list[int], object]:
+    result = result_of(updates)
+    m = result.metrics
+    return m.new_tokens / m.total_s, result.token_ids, result
+
+
+def _row(prompt: int, repeat: int, order: tuple, got: dict) -> dict:
+    row = {"prompt": prompt, "repeat": repeat, "order": list(order)}
+    for name, value in got.items():
+        row[name] = {"tokens_per_s": value[0], "new_tokens": len(value[1])}
+    for key, (a, b) in RATIOS.items():
+        row[key] = got[a][0] / got[b][0]
+    row["speedup_ratio_ours_over_hf"] = row["ours_speedup"] / row["hf_speedup"]
+    ids = [tuple(value[1]) for value in got.values()]
+    row["all_identical"] = len(set(ids)) == 1
+    row["ours_predicted_speedup"] = _predicted(got["ours_speculative"][2], got["ours_baseline"][2])
+    row["ours_measured_over_predicted"] = (
+        row["ours_speedup"] / row["ours_predicted_speedup"] if row["ours_predicted_speedup"] else None
+    )
+    return row
+
+
+def _predicted(spec, base) -> float | None:
+    """Leviathan's prediction from this run's own alpha per position, c and verify cost, end to end.
+
+    Per step, E(gamma_s) tokens for gamma_s * c + V target-step costs (V: mean verify pass over a baseline
+    step). What the loop spends beyond drafting and verifying is not in it, so measured / predicted
+    shows how close the loop runs to the model's own costs.
+    """
+    m, b = spec.metrics, base.metrics
+    if not m.drafted_tokens or not b.tokens_per_s:
+        return None
+    step = 1 / b.tokens_per_s
+    decode = spec.steps[1:]
+    c = (m.draft_s / m.drafted_tokens) / step
+    v = (m.verify_s / len(decode)) / step
+    alphas = [a for a in m.per_position_acceptance if a is not None]
+    tokens = sum(expected_tokens(alphas, m.acceptance_rate or 0.0, len(s.drafted)) for s in decode)
+    cost = sum(len(s.drafted) * c + v for s in decode)
+    decode_speedup = tokens / cost
+    # end to end: the prefill costs both sides the same, the gain applies to the decode part only
+    spec_total = b.ttft_s + (b.total_s - b.ttft_s) / decode_speedup
+    return b.total_s / spec_total if spec_total > 0 else None
+
+
+def median_of(report: dict, key: str) -> float | None:
+    values = [row[key] for row in report["runs"] if row.get(key) is not None]
+    return statistics.median(values) if values else None

@@ -1,0 +1,120 @@
+"""Predict speedup over gamma from measured acceptance and costs, and name the best gamma.
+
+Leviathan et al. (2023): with acceptance rate alpha and draft cost c (one draft token relative to one
+target step), a step that drafts gamma tokens emits on average (1 - alpha^(gamma+1)) / (1 - alpha)
+tokens and costs gamma*c + 1 target steps. Two refinements, both from measurements:
+
+- alpha per position: acceptance often falls along the draft, so the expected tokens per step are
+  1 + sum_i prod_{j<=i} alpha_j, with alpha_j pooled over every run (the overall alpha past the data);
+- the verify cost V(gamma): checking gamma+1 tokens in one pass is not free on every device (on a CPU
+  it grows clearly with gamma), so the denominator is gamma*c + V(gamma), V measured per swept gamma
+  relative to one baseline step and interpolated linearly between them (V(0) = 1).
+
+The paper's curve (V = 1, one alpha) is reported beside it.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from engine.metrics import leviathan_speedup
+
+MAX_GAMMA = 16
+
+
+def expected_tokens(alphas: list[float], alpha: float, gamma: int) -> float:
+    """Mean tokens emitted by a step drafting gamma tokens, with per-position acceptance alphas."""
+    total, survive = 1.0, 1.0
+    for i in range(gamma):
+        survive *= alphas[i] if i < len(alphas) else alpha
+        total += survive
+    return total
+
+
+def interpolate(points: dict[int, float], gamma: int) -> float:
+    """Piecewise-linear V(gamma) through (0, 1) and the measured points; the last slope beyond them."""
+    pts = {0: 1.0, **points}
+    xs = sorted(pts)
+    if len(xs) == 1:
+        return 1.0
+    for a, b in zip(xs, xs[1:]):
+        if gamma <= b:
+            return pts[a] + (pts[b] - pts[a]) * (gamma - a) / (b - a)
+    a, b = xs[-2], xs[-1]
+    return pts[b] + (pts[b] - pts[a]) * (gamma - b) / (b - a)
+
+
+def predict(alphas: list[float], alpha: float, c: float, verify: dict[int, float], gamma: int) -> float:
+    return expected_tokens(alphas, alpha, gamma) / (gamma * c + interpolate(verify, gamma))
+
+
+def fit(cells: list) -> dict:
+    """One drafter at one temperature, over the gammas swept: alpha(s), c, V, the curve and a verdict."""
+    samples = [s for cell in cells for s in cell.samples]
+    drafted = sum(s.drafted for s in samples)
+    alpha = sum(s.accepted for s in samples) / drafted if drafted else 0.0
+    pooled: list[list[int]] = []
+    for s in samples:
+        for i, (reached, kept) in enumerate(s.positions):
+            if i == len(pooled):
+                pooled.append([0, 0])
+            pooled[i][0] += reached
+            pooled[i][1] += kept
+    alphas = [k / r for r, k in pooled if r >= 5]  # positions with too little data fall back to alpha
+    alphas = alphas[: next((i for i, (r, _) in enumerate(pooled) if r < 5), len(pooled))]
+    ratios = [s.draft_token_s / s.baseline_step_s for s in samples if s.draft_token_s and s.baseline_step_s]
+    c = statistics.median(ratios) if ratios else 0.0
+    verify = {}
+    for cell in cells:
+        vs = [s.verify_pass_s / s.baseline_step_s for s in cell.samples if s.baseline_step_s]
+        if vs:
+            verify[cell.gamma] = statistics.median(vs)
+    measured = {cell.gamma: statistics.median([s.speedup for s in cell.samples]) for cell in cells if cell.samples}
+    curve = [
+        {"gamma": g, "predicted": predict(alphas, alpha, c, verify, g), "paper": leviathan_speedup(alpha, g, c),
+         "measured": measured.get(g)}
+        for g in range(1, MAX_GAMMA + 1)
+    ]  # fmt: skip
+    best_measured = max(measured, key=measured.get) if measured else None
+    best_predicted = max(curve, key=lambda p: p["predicted"])
+    return {
+        "drafter": cells[0].drafter,
+        "temperature": cells[0].temperature,
+        "alpha": alpha,
+        "alpha_by_position": alphas,
+        "cost_ratio_c": c,
+        "verify_cost": [{"gamma": g, "cost": v} for g, v in sorted(verify.items())],
+        "curve": curve,
+        "best_gamma": best_measured,
+        "best_speedup": measured.get(best_measured) if best_measured else None,
+        "best_predicted_gamma": best_predicted["gamma"],
+        "best_predicted_speedup": best_predicted["predicted"],
+        "verdict": verdict(alpha, c, verify, best_measured, measured, best_predicted),
+    }
+
+
+def verdict(alpha, c, verify, best_gamma, measured, best_predicted) -> str:
+    """One plain sentence: which gamma to use, or why nothing wins here."""
+    if best_gamma is not None and measured[best_gamma] > 1.0:
+        return (
+            f"use gamma {best_gamma}: measured {measured[best_gamma]:.2f}x "
+            f"(alpha {alpha:.2f}, c {c:.3f}; the model predicts {best_predicted['predicted']:.2f}x at "
+            f"gamma {best_predicted['gamma']})."
+        )
+    if alpha <= c:
+        why = f"c = {c:.2f} is not below alpha = {alpha:.2f}: drafting a token costs more than it is worth"
+    else:
+        v = max(verify.values()) if verify else 1.0
+        why = (
+            f"alpha = {alpha:.2f} is too low for the cost of drafting (c = {c:.2f}) and verifying "
+            f"(up to {v:.2f} target steps per pass)"
+        )
+    return f"break-even: this pair cannot win here because {why}. Best measured {max(measured.values()):.2f}x."
+
+
+def fit_all(cells: list) -> list[dict]:
+    """A fit per (drafter, temperature) found among the cells."""
+    groups: dict[tuple, list] = {}
+    for cell in cells:
+        groups.setdefault((cell.drafter, cell.temperature), []).append(cell)
+    return [fit(group) for group in groups.values()]

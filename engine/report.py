@@ -1,0 +1,101 @@
+"""Reports of sweeps and suites: JSON with everything, CSV of the cells, settings ready to paste.
+
+The JSON is the record (settings, library versions, device, every A/B pair); the CSV is for
+spreadsheets; the snippets carry the best gamma found into transformers, vLLM and llama.cpp.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+CSV_COLUMNS = [
+    "drafter", "gamma", "temperature", "category", "speedup_median", "speedup_min", "speedup_max",
+    "acceptance_median", "mean_accepted_length", "baseline_tps", "speculative_tps", "all_identical", "pairs",
+]  # fmt: skip
+
+
+def best_setting(report: dict) -> dict | None:
+    """The fastest measured cell: drafter, gamma, temperature, speedup."""
+    cells = [c for c in report.get("cells", []) if c["speedup"]["median"] is not None]
+    if not cells:
+        return None
+    best = max(cells, key=lambda c: c["speedup"]["median"])
+    return {k: best[k] for k in ("drafter", "gamma", "temperature")} | {"speedup": best["speedup"]["median"]}
+
+
+def snippets(report: dict) -> dict[str, str]:
+    """How to run the best setting elsewhere. Prompt lookup and a draft model map to different options."""
+    best = best_setting(report)
+    if best is None:
+        return {}
+    s = report["settings"]
+    target, draft, gamma, ngram = s["target"], s.get("draft") or "DRAFT_MODEL", best["gamma"], s.get("ngram", 3)
+    if best["drafter"] == "prompt-lookup":
+        return {
+            "transformers": f"model.generate(**inputs, prompt_lookup_num_tokens={gamma}, "
+            f"max_matching_ngram_size={ngram})",
+            "vllm": f'LLM(model="{target}", speculative_config={{"method": "ngram", '
+            f'"num_speculative_tokens": {gamma}, "prompt_lookup_max": {ngram}, "prompt_lookup_min": 1}})',
+            "llama.cpp": f"llama-server -m target.gguf --spec-type ngram-simple --draft-max {gamma}",
+        }
+    return {
+        "transformers": f'draft = AutoModelForCausalLM.from_pretrained("{draft}")\n'
+        f"model.generate(**inputs, assistant_model=draft, num_assistant_tokens={gamma}, "
+        'num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)',
+        "vllm": f'LLM(model="{target}", speculative_config={{"model": "{draft}", "num_speculative_tokens": {gamma}}})',
+        "llama.cpp": f"llama-server -m target.gguf -md draft.gguf --draft-max {gamma} --draft-min 1",
+    }
+
+
+def _csv_row(cell: dict, category: str, stats: dict) -> list:
+    return [
+        cell["drafter"], cell["gamma"], cell["temperature"], category, stats["speedup"]["median"],
+        stats["speedup"]["min"], stats["speedup"]["max"], stats["acceptance_rate"]["median"],
+        stats["mean_accepted_length"]["median"], stats["baseline_tps"]["median"],
+        stats["speculative_tps"]["median"], stats["all_identical"], stats["speedup"]["n"],
+    ]  # fmt: skip
+
+
+def to_csv(report: dict) -> str:
+    """One row per cell (category "all") and one per cell and category."""
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(CSV_COLUMNS)
+    for cell in report.get("cells", []):
+        writer.writerow(_csv_row(cell, "all", cell))
+        for category, stats in cell.get("by_category", {}).items():
+            writer.writerow(_csv_row(cell, category, stats))
+    return out.getvalue()
+
+
+def snippets_markdown(report: dict) -> str:
+    best = best_setting(report)
+    if best is None:
+        return "No measured setting.\n"
+    lines = [f"# Best setting: {best['drafter']}, gamma {best['gamma']}, temperature {best['temperature']}: "
+             f"{best['speedup']:.2f}x measured\n"]  # fmt: skip
+    for fit in report.get("fits", []):
+        lines.append(f"- {fit['drafter']} at temperature {fit['temperature']}: {fit['verdict']}")
+    for name, code in snippets(report).items():
+        lines += ["", f"## {name}", "", "```", code, "```"]
+    return "\n".join(lines) + "\n"
+
+
+def write(report: dict, folder: str | Path) -> dict[str, Path]:
+    """report.json, report.csv and settings.md in `folder`; returns their paths."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {"json": folder / "report.json", "csv": folder / "report.csv", "settings": folder / "settings.md"}
+    paths["json"].write_text(json.dumps(report | {"snippets": snippets(report)}, indent=1))
+    paths["csv"].write_text(to_csv(report))
+    paths["settings"].write_text(snippets_markdown(report))
+    return paths
+
+
+def read(path: str | Path) -> dict:
+    data = json.loads(Path(path).read_text())
+    data.pop("snippets", None)
+    return data
