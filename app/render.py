@@ -104,7 +104,11 @@ def summary(base: Metrics | None, spec: Metrics | None, identical: bool | None, 
     saved = base.target_passes - spec.target_passes
     cards = [
         _card("speedup", _fmt(speedup, ".2f", "×"), f"predicted {_fmt(spec.predicted_speedup, '.2f', '×')}"),
-        _card("acceptance rate α", _fmt(spec.acceptance_rate, ".1%"), f"{spec.accepted_tokens}/{spec.drafted_tokens}"),
+        _card(
+            "acceptance rate",
+            _fmt(spec.acceptance_rate, ".1%"),
+            f"{spec.accepted_tokens}/{spec.drafted_tokens} drafted · α per tested token {_fmt(spec.alpha, '.2f')}",
+        ),
         _card("tokens per target pass", f"{spec.mean_accepted_length:.2f}", "baseline: 1.00"),
         _card("tokens/s", f"{spec.tokens_per_s:.1f}", f"baseline {base.tokens_per_s:.1f}"),
         _card("time to first token", f"{spec.ttft_s * 1000:.0f} ms", f"baseline {base.ttft_s * 1000:.0f} ms"),

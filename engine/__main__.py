@@ -105,7 +105,8 @@ def summary(result) -> str:
         f"{'new tokens':22}{b.new_tokens:12d}{s.new_tokens:14d}",
         f"{'target passes':22}{b.target_passes:12d}{s.target_passes:14d}",
         f"speedup {_fmt(result.speedup)}x (predicted {_fmt(s.predicted_speedup)}x), "
-        f"acceptance {_fmt(s.acceptance_rate, '.1%')}, {s.mean_accepted_length:.2f} tokens per target pass, "
+        f"acceptance {_fmt(s.acceptance_rate, '.1%')} (alpha {_fmt(s.alpha)}), "
+        f"{s.mean_accepted_length:.2f} tokens per target pass, "
         f"c = {_fmt(s.cost_ratio_c, '.3f')}",
     ]
     if result.identical is not None:

@@ -136,7 +136,7 @@ def _predicted(spec, base) -> float | None:
     c = (m.draft_s / m.drafted_tokens) / step
     v = (m.verify_s / len(decode)) / step
     alphas = [a for a in m.per_position_acceptance if a is not None]
-    tokens = sum(expected_tokens(alphas, m.acceptance_rate or 0.0, len(s.drafted)) for s in decode)
+    tokens = sum(expected_tokens(alphas, m.alpha or 0.0, len(s.drafted)) for s in decode)
     cost = sum(len(s.drafted) * c + v for s in decode)
     decode_speedup = tokens / cost
     # end to end: the prefill costs both sides the same, the gain applies to the decode part only

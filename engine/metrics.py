@@ -3,8 +3,11 @@
 Every decoding loop yields one StepEvent per target forward pass. A RunResult is derived from the
 events alone, so whatever a consumer sees streaming is exactly what the summary counts.
 
-Terms (Leviathan et al. 2023): alpha is the acceptance rate of draft tokens, gamma the number of
-draft tokens per step, c the cost of drafting one token relative to one target pass. The expected
+Terms (Leviathan et al. 2023): alpha is the probability that a draft token is accepted, given that
+every draft token before it was (tokens after a rejection are never tested); gamma the number of draft
+tokens per step; c the cost of drafting one token relative to one target pass. The plainer
+acceptance rate, accepted / drafted, counts the untested tokens as failures, so it is lower than alpha
+whenever drafts get rejected mid-way; both are reported. The expected
 speedup of a step that drafts gamma tokens is
 
     (1 - alpha^(gamma+1)) / ((1 - alpha) * (gamma * c + 1)),
@@ -64,7 +67,8 @@ class Metrics:
     draft_passes: int
     drafted_tokens: int
     accepted_tokens: int
-    acceptance_rate: float | None  # alpha = accepted / drafted; None when nothing was drafted
+    acceptance_rate: float | None  # accepted / drafted; None when nothing was drafted
+    alpha: float | None  # accepted / tested: per-token acceptance, what Leviathan's formula expects
     mean_accepted_length: float  # tokens emitted per target pass after the prefill (1.0 for baseline)
     per_position_acceptance: list[float | None]  # P(accept draft i | drafts 1..i-1 accepted), i = 1..
     accepted_length_hist: list[int]  # steps that accepted 0, 1, ..., gamma draft tokens
@@ -124,7 +128,9 @@ def summarise(mode: str, steps: list[StepEvent], text: str) -> RunResult:
     accepted = sum(s.accepted for s in decode)
     draft_s = sum(s.draft_s for s in decode)
     verify_s = sum(s.verify_s for s in decode)
-    alpha = accepted / drafted if drafted else None
+    counts = position_counts(decode)
+    tested = sum(r for r, _ in counts)
+    alpha = sum(k for _, k in counts) / tested if tested else None
     c = (draft_s / drafted) / (verify_s / len(decode)) if drafted and verify_s > 0 else None
     # Leviathan's formula per step, summed: exact for a constant gamma, fair when gamma varies
     predicted = None
@@ -141,7 +147,8 @@ def summarise(mode: str, steps: list[StepEvent], text: str) -> RunResult:
         draft_passes=sum(s.draft_passes for s in passes),
         drafted_tokens=drafted,
         accepted_tokens=accepted,
-        acceptance_rate=alpha,
+        acceptance_rate=accepted / drafted if drafted else None,
+        alpha=alpha,
         mean_accepted_length=sum(len(s.tokens) for s in decode) / len(decode) if decode else 0.0,
         per_position_acceptance=rates,
         accepted_length_hist=hist,

@@ -51,8 +51,6 @@ def predict(alphas: list[float], alpha: float, c: float, verify: dict[int, float
 def fit(cells: list) -> dict:
     """One drafter at one temperature, over the gammas swept: alpha(s), c, V, the curve and a verdict."""
     samples = [s for cell in cells for s in cell.samples]
-    drafted = sum(s.drafted for s in samples)
-    alpha = sum(s.accepted for s in samples) / drafted if drafted else 0.0
     pooled: list[list[int]] = []
     for s in samples:
         for i, (reached, kept) in enumerate(s.positions):
@@ -60,6 +58,8 @@ def fit(cells: list) -> dict:
                 pooled.append([0, 0])
             pooled[i][0] += reached
             pooled[i][1] += kept
+    tested = sum(r for r, _ in pooled)
+    alpha = sum(k for _, k in pooled) / tested if tested else 0.0  # per tested token, as the formula means
     alphas = [k / r for r, k in pooled if r >= 5]  # positions with too little data fall back to alpha
     alphas = alphas[: next((i for i, (r, _) in enumerate(pooled) if r < 5), len(pooled))]
     ratios = [s.draft_token_s / s.baseline_step_s for s in samples if s.draft_token_s and s.baseline_step_s]

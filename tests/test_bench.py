@@ -1,0 +1,161 @@
+"""Sweeps, the predictor, reports, the HF comparison and the synthetic drafter, on tiny models."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from engine import bench, hfcompare, predict, report
+from engine.__main__ import main
+from engine.bench import Cell, Sample
+from engine.compare import Request
+from engine.drafters import Synthetic
+from engine.metrics import leviathan_speedup
+from engine.sampling import SamplingConfig
+
+
+@pytest.fixture
+def base(model_dirs):
+    return Request("x", target=model_dirs["target"], draft=model_dirs["draft"], drafter="draft-model",
+                   max_new_tokens=12, sampling=SamplingConfig(seed=0))  # fmt: skip
+
+
+def test_sweep_returns_the_complete_grid(base):
+    prompts = {"copy": ["abc abc abc"], "free": ["hello there", "one two"]}
+    data = bench.sweep(base, prompts, [1, 3], [0.0, 0.8], ["draft-model", "prompt-lookup"], repeats=2)
+    cells = data["cells"]
+    assert [(c["drafter"], c["temperature"], c["gamma"]) for c in cells] == [
+        (d, t, g) for d in ("draft-model", "prompt-lookup") for t in (0.0, 0.8) for g in (1, 3)
+    ]
+    for c in cells:
+        assert c["speedup"]["n"] == 3 * 2  # prompts x repeats
+        assert c["speedup"]["min"] <= c["speedup"]["median"] <= c["speedup"]["max"]
+        assert set(c["by_category"]) == {"copy", "free"}
+        assert c["all_identical"]  # greedy pairs identical; sampled ones are not compared
+    assert len(data["samples"]) == 8 * 6
+    assert {s["order"] for s in data["samples"]} == {"AB", "BA"}
+    assert len(data["fits"]) == 4
+    for fit in data["fits"]:
+        assert len(fit["curve"]) == predict.MAX_GAMMA and fit["verdict"]
+    assert data["environment"]["torch"] == torch.__version__
+
+
+def test_sweep_rejects_bad_settings_before_measuring(base):
+    from engine.errors import UserError
+
+    with pytest.raises(UserError, match="gamma 0"):
+        bench.sweep(base, {"p": ["hi"]}, [2, 0], [0.0], ["draft-model"])
+    with pytest.raises(UserError, match="temperature 9"):
+        bench.sweep(base, {"p": ["hi"]}, [2], [9.0], ["draft-model"])
+
+
+def test_predictor_formulas_against_hand_computed_values():
+    assert predict.expected_tokens([], 0.5, 2) == pytest.approx(1.75)
+    assert predict.expected_tokens([0.9, 0.5], 0.1, 3) == pytest.approx(1 + 0.9 + 0.45 + 0.045)
+    assert leviathan_speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8**5) / (0.2 * 1.4))
+    assert leviathan_speedup(1.0, 4, 0.0) == 5.0
+    assert predict.interpolate({4: 1.5}, 2) == pytest.approx(1.25)
+    assert predict.interpolate({4: 1.5}, 8) == pytest.approx(2.0)
+    assert predict.interpolate({2: 1.2, 4: 1.6}, 3) == pytest.approx(1.4)
+    assert predict.predict([], 0.8, 0.1, {4: 1.0}, 4) == pytest.approx(leviathan_speedup(0.8, 4, 0.1))
+
+
+def _sample(gamma, alpha, speedup, c=0.1, verify=1.2):
+    drafted = 100 * gamma
+    return Sample(0, 0, "AB", 10.0, 10.0 * speedup, speedup, alpha, 1 + gamma * alpha, 50, True,
+                  baseline_step_s=0.1, draft_token_s=0.1 * c, verify_pass_s=0.1 * verify,
+                  drafted=drafted, accepted=round(drafted * alpha),
+                  positions=[[100, round(100 * alpha)] for _ in range(gamma)])  # fmt: skip
+
+
+def test_fit_names_the_best_measured_gamma_and_its_alpha_and_costs():
+    cells = [Cell("draft-model", g, 0.0, [_sample(g, 0.8, s)], ["all"]) for g, s in ((2, 1.6), (4, 1.9), (8, 1.7))]
+    fit = predict.fit(cells)
+    assert fit["best_gamma"] == 4 and fit["best_speedup"] == pytest.approx(1.9)
+    assert fit["alpha"] == pytest.approx(0.8) and fit["cost_ratio_c"] == pytest.approx(0.1)
+    assert [v["cost"] for v in fit["verify_cost"]] == pytest.approx([1.2, 1.2, 1.2])
+    assert fit["curve"][3]["predicted"] == pytest.approx(predict.expected_tokens([], 0.8, 4) / (0.4 + 1.2))
+    assert fit["verdict"].startswith("use gamma 4")
+
+
+def test_fit_says_plainly_when_nothing_wins():
+    cells = [Cell("draft-model", g, 0.0, [_sample(g, 0.3, 0.7, c=0.6)], ["all"]) for g in (1, 2)]
+    verdict = predict.fit(cells)["verdict"]
+    assert verdict.startswith("break-even: this pair cannot win here because")
+    assert "c = 0.60" in verdict
+
+
+def test_report_round_trip_and_snippets(base, tmp_path):
+    data = bench.sweep(base, {"p": ["abc abc"]}, [2, 3], [0.0], ["draft-model"], repeats=1)
+    paths = report.write(data, tmp_path)
+    assert report.read(paths["json"]) == json.loads(json.dumps(data))
+    assert report.read(paths["json"]) == data
+    csv_text = paths["csv"].read_text().splitlines()
+    assert csv_text[0].startswith("drafter,gamma") and len(csv_text) == 1 + 2 * 2
+    snippets = report.snippets(data)
+    best = report.best_setting(data)["gamma"]
+    assert f"num_assistant_tokens={best}" in snippets["transformers"]
+    assert f'"num_speculative_tokens": {best}' in snippets["vllm"]
+    assert f"--draft-max {best}" in snippets["llama.cpp"]
+    assert "Best setting" in paths["settings"].read_text()
+
+
+def test_cli_bench_writes_valid_json(model_dirs, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--target", model_dirs["target"], "--drafter", "prompt-lookup", "--prompt", "ab ab ab",
+                 "--gamma", "1,2", "--temperature", "0", "--repeats", "1", "--max-new-tokens", "8",
+                 "--json", str(out)])  # fmt: skip
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert [c["gamma"] for c in data["cells"]] == [1, 2]
+    assert "speedup (min-max)" in capsys.readouterr().out
+
+
+def test_cli_bench_rejects_a_bad_gamma_list(model_dirs, capsys):
+    assert main(["bench", "--target", model_dirs["target"], "--gamma", "1,x"]) == 2
+    assert "comma-separated" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("drafter", ["draft-model", "prompt-lookup"])
+def test_hf_comparison_reports_every_contender(base, drafter):
+    data = hfcompare.compare_hf(Request(**{**vars(base), "drafter": drafter, "gamma": 3}), ["abc abc abc"], repeats=2)
+    assert set(data["speeds"]) == set(hfcompare.CONTENDERS)
+    assert set(data["ratios"]) == set(hfcompare.RATIOS)
+    for row in data["runs"]:
+        assert row["all_identical"]  # greedy: HF and ours agree token for token
+        assert row["ours_predicted_speedup"] is None or row["ours_predicted_speedup"] > 0
+    assert data["runs"][0]["order"] != data["runs"][1]["order"]
+
+
+def test_synthetic_drafter_accepts_at_rate_alpha():
+    reference = list(range(10, 410))
+    for alpha in (0.3, 0.8):
+        drafter = Synthetic(prompt_len=5, reference=reference, alpha=alpha, vocab_size=1000, seed=1)
+        right = total = 0
+        for start in range(0, 400, 4):
+            proposal = drafter.propose([0] * (5 + start), 4, SamplingConfig(), torch.Generator()).tokens
+            right += sum(p == t for p, t in zip(proposal, reference[start : start + 4]))
+            total += 4
+        bound = 4.5 * math.sqrt(alpha * (1 - alpha) / total)
+        assert abs(right / total - alpha) < bound
+
+
+def test_synthetic_drafter_in_the_loop_measures_alpha(llama_pair):
+    from engine.baseline import baseline_decode
+    from engine.metrics import summarise
+    from engine.speculative import speculative_decode
+
+    target, _, tok = llama_pair
+    ids = list(tok("The cat sat")["input_ids"][:-1])
+    greedy = SamplingConfig()
+    reference = summarise("b", list(baseline_decode(target, tok, ids, greedy, 200, set())), "").token_ids
+    drafter = Synthetic(len(ids), reference, 0.6, 384, seed=2)
+    result = summarise("s", list(speculative_decode(target, tok, ids, drafter, 4, greedy, 200, set())), "")
+    m = result.metrics
+    tested = m.accepted_tokens / m.alpha  # draft tokens the target actually judged
+    assert abs(m.alpha - 0.6) < 4.5 * math.sqrt(0.24 / tested)
+    assert m.acceptance_rate < m.alpha  # untested tokens after a rejection count against the plain rate
+    assert result.token_ids == reference
