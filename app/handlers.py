@@ -66,8 +66,9 @@ STOPS = StopFlags()
 
 
 def build_request(
-    prompt, target, drafter, draft, temperature, top_p, top_k, max_new_tokens, gamma, seed, chat, dtype, ngram, alpha
-) -> Request:
+    prompt, target, drafter, draft, temperature, top_p, top_k, max_new_tokens, gamma, seed, chat, dtype, ngram, alpha,
+    adaptive=False,
+) -> Request:  # fmt: skip
     """UI values (floats from sliders, None from empty numbers) -> a validated engine Request."""
 
     def whole(value, name):
@@ -91,6 +92,7 @@ def build_request(
         dtype=dtype or "auto",
         ngram=whole(ngram, "n-gram size"),
         alpha=float(alpha),
+        adaptive=bool(adaptive),
     ).validate()
 
 
@@ -183,13 +185,13 @@ def api_result(c: Comparison | None) -> dict:
 
 def compare(
     prompt, target, drafter, draft, temperature, top_p, top_k, max_new_tokens, gamma, seed, chat, dtype,
-    ngram, alpha, history, request: gr.Request,
+    ngram, alpha, adaptive, history, request: gr.Request,
 ):  # fmt: skip
     """Run baseline then speculative and stream both. Yields (result, status, panes, summary, chart, history...)."""
     try:
         req = build_request(
             prompt, target, drafter, draft, temperature, top_p, top_k, max_new_tokens, gamma, seed, chat, dtype,
-            ngram, alpha,
+            ngram, alpha, adaptive,
         )  # fmt: skip
     except UserError as exc:
         raise gr.Error(str(exc)) from None

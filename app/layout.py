@@ -52,6 +52,7 @@ def build_layout() -> SimpleNamespace:
                     1, max_new_tokens_cap(), value=128, step=1, label="max new tokens", elem_id="max-new-tokens"
                 )
                 ui.gamma = gr.Slider(1, MAX_GAMMA, value=default["gamma"], step=1, label="γ: draft tokens per step")
+                ui.adaptive = gr.Checkbox(False, label="adaptive γ: +2 after a fully accepted draft, -1 after a miss")
                 ui.seed = gr.Number(0, precision=0, label="seed (-1 = random)")
                 ui.chat = gr.Checkbox(True, label="chat template (when the target has one)")
                 ui.dtype = gr.Dropdown(["auto", "float32", "bfloat16", "float16"], value="auto", label="dtype")
@@ -95,7 +96,7 @@ def build_layout() -> SimpleNamespace:
 
 def wire(ui: SimpleNamespace) -> None:
     inputs = [ui.prompt, ui.target, ui.drafter, ui.draft, ui.temperature, ui.top_p, ui.top_k, ui.max_new_tokens,
-              ui.gamma, ui.seed, ui.chat, ui.dtype, ui.ngram, ui.alpha, ui.history]  # fmt: skip
+              ui.gamma, ui.seed, ui.chat, ui.dtype, ui.ngram, ui.alpha, ui.adaptive, ui.history]  # fmt: skip
     outputs = [ui.result, ui.status, ui.baseline, ui.speculative, ui.summary, ui.chart, ui.history,
                ui.history_table, ui.files]  # fmt: skip
     # no progress overlay: its animation alone costs a CPU machine a good share of the model's speed
@@ -120,7 +121,12 @@ def wire(ui: SimpleNamespace) -> None:
 
 
 def build_demo() -> gr.Blocks:
+    from app import lab
+
     with gr.Blocks(title="SpecArena") as demo:
         with gr.Tab("Playground"):
-            wire(build_layout())
+            play = build_layout()
+            wire(play)
+        with gr.Tab("Lab"):
+            lab.wire(lab.build_layout(), play)
     return demo

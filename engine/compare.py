@@ -49,6 +49,7 @@ class Request:
     device: str = "auto"
     ngram: int = 3  # prompt lookup: longest n-gram matched
     alpha: float = 0.8  # synthetic drafter: probability of proposing the target's own token
+    adaptive: bool = False  # gamma grows after full acceptance and shrinks after a rejection
     warmup: bool = True
 
     def validate(self) -> "Request":
@@ -200,9 +201,9 @@ def run_speculative(pair: Pair, ids: list[int], req: Request, reference: list[in
     """Draft + target; `reference` is the target's own continuation, used only by the synthetic drafter."""
     model, tok = pair.target.model, pair.target.tokenizer
     drafter = make_drafter(req, pair, ids, reference)
-    events = speculative_decode(
-        model, tok, ids, drafter, req.gamma, req.sampling, req.max_new_tokens, eos_ids(model, tok), stop
-    )
+    eos = eos_ids(model, tok)
+    events = speculative_decode(model, tok, ids, drafter, req.gamma, req.sampling, req.max_new_tokens, eos, stop,
+                                req.adaptive)  # fmt: skip
     return _run("speculative", events, tok)
 
 

@@ -32,16 +32,19 @@ def expected_tokens(alphas: list[float], alpha: float, gamma: int) -> float:
 
 
 def interpolate(points: dict[int, float], gamma: int) -> float:
-    """Piecewise-linear V(gamma) through (0, 1) and the measured points; the last slope beyond them."""
-    pts = {0: 1.0, **points}
+    """V(gamma) from measured points: at least 1 and never falling with gamma (noise can make a longer
+    verify pass look cheaper; physics cannot), linear between (0, 1) and the points, and beyond the last
+    point the least-squares slope of V - 1 over gamma."""
+    pts, level = {0: 1.0}, 1.0
+    for g in sorted(points):
+        level = max(level, points[g])
+        pts[g] = level
     xs = sorted(pts)
-    if len(xs) == 1:
-        return 1.0
     for a, b in zip(xs, xs[1:]):
         if gamma <= b:
             return pts[a] + (pts[b] - pts[a]) * (gamma - a) / (b - a)
-    a, b = xs[-2], xs[-1]
-    return pts[b] + (pts[b] - pts[a]) * (gamma - b) / (b - a)
+    slope = max(0.0, sum(g * (pts[g] - 1) for g in xs) / sum(g * g for g in xs)) if len(xs) > 1 else 0.0
+    return pts[xs[-1]] + slope * (gamma - xs[-1])
 
 
 def predict(alphas: list[float], alpha: float, c: float, verify: dict[int, float], gamma: int) -> float:
@@ -72,11 +75,13 @@ def fit(cells: list) -> dict:
     measured = {cell.gamma: statistics.median([s.speedup for s in cell.samples]) for cell in cells if cell.samples}
     curve = [
         {"gamma": g, "predicted": predict(alphas, alpha, c, verify, g), "paper": leviathan_speedup(alpha, g, c),
-         "measured": measured.get(g)}
+         "measured": measured.get(g), "extrapolated": g > max(verify, default=0)}
         for g in range(1, MAX_GAMMA + 1)
     ]  # fmt: skip
     best_measured = max(measured, key=measured.get) if measured else None
-    best_predicted = max(curve, key=lambda p: p["predicted"])
+    # beyond the largest gamma measured V is extrapolated: name a predicted best only inside the data
+    inside = [p for p in curve if p["gamma"] <= max(verify, default=MAX_GAMMA)]
+    best_predicted = max(inside, key=lambda p: p["predicted"])
     return {
         "drafter": cells[0].drafter,
         "temperature": cells[0].temperature,

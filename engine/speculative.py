@@ -27,6 +27,8 @@ from engine.metrics import StepEvent
 from engine.runtime import Clock, TextStream, emit, forward, prefill
 from engine.sampling import SamplingConfig, verify
 
+MAX_ADAPTIVE_GAMMA = 16
+
 
 @torch.inference_mode()  # per resumption: a UI may resume this generator on another thread
 def speculative_decode(
@@ -39,8 +41,13 @@ def speculative_decode(
     max_new_tokens: int,
     eos: set[int],
     stop: threading.Event | None = None,
+    adaptive: bool = False,
 ) -> Iterator[StepEvent]:
-    """Yield one StepEvent per target pass until EOS, max_new_tokens or `stop`."""
+    """Yield one StepEvent per target pass until EOS, max_new_tokens or `stop`.
+
+    With `adaptive`, gamma follows transformers' heuristic schedule: +2 after a fully accepted draft,
+    -1 after a rejection, between 1 and MAX_ADAPTIVE_GAMMA.
+    """
     clock = Clock(target.device)
     generator = cfg.generator(target.device)
     stream = TextStream(tokenizer)
@@ -81,6 +88,8 @@ def speculative_decode(
             cache.crop(n - k)
         t3 = clock.now()
 
+        if adaptive and k:
+            gamma = min(gamma + 2, MAX_ADAPTIVE_GAMMA) if n == k else max(1, gamma - 1)
         elapsed += t3 - t0
         ids += tokens
         produced += len(tokens)

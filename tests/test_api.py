@@ -12,7 +12,7 @@ PROMPT = "Fix the spelling and repeat the text: The quick brown fox jumpd over t
 def call(client, prompt=PROMPT, **over):
     args = dict(prompt=prompt, target="bundled:smollm2-135m-instruct", drafter="prompt-lookup", draft="",
                 temperature=0, top_p=1, top_k=0, max_new_tokens=20, gamma=4, seed=0, chat=True, dtype="auto",
-                ngram=3, alpha=0.8)  # fmt: skip
+                ngram=3, alpha=0.8, adaptive=False)  # fmt: skip
     args.update(over)
     return client.predict(**args, api_name="/compare")
 

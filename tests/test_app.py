@@ -17,7 +17,7 @@ def ui_values(model_dirs, **over):
     values = dict(
         prompt="abc abc abc abc", target=model_dirs["target"], drafter="draft-model", draft=model_dirs["draft"],
         temperature=0, top_p=1, top_k=0, max_new_tokens=30, gamma=3, seed=0, chat=True, dtype="auto",
-        ngram=3, alpha=0.8, history=[],
+        ngram=3, alpha=0.8, adaptive=False, history=[],
     )  # fmt: skip
     values.update(over)
     return values
@@ -128,3 +128,31 @@ def test_clear_and_presets_and_memory_chart():
     assert (target, drafter, draft) == ("Qwen/Qwen2.5-7B-Instruct", "draft-model", "Qwen/Qwen2.5-0.5B-Instruct")
     figure = charts.memory_figure([{"t": 0.0, "used_mb": 10.0}, {"t": 1.0, "used_mb": 12.0}], "process RSS")
     assert figure["data"][0]["y"] == [10.0, 12.0]
+
+
+def test_lab_sweep_handler_fills_tables_charts_and_report(model_dirs):
+    from app import lab
+
+    out = lab.run_sweep(
+        model_dirs["target"], model_dirs["draft"], "auto", True, 3, 0.8, 1.0, 0, 0, [1, 2], "0, 0.5",
+        ["draft-model", "prompt-lookup"], ["rewriting", "creative_writing"], 1, 1, 8,
+        request=SimpleNamespace(session_hash="lab"), progress=lambda *a, **k: None,
+    )  # fmt: skip
+    verdicts, cells, curve, categories_chart, categories, snippets, files = out
+    assert verdicts.count("- **") == 4  # a fit per drafter and temperature
+    assert len(cells) == 2 * 2 * 2
+    assert {row[0] for row in categories} == {"rewriting", "creative_writing"}
+    assert len(curve.data) == 3 * 4 and len(categories_chart.data) == 2
+    assert "## transformers" in snippets
+    assert sorted(p.rsplit("/", 1)[1] for p in files) == ["report.csv", "report.json", "settings.md"]
+
+
+def test_lab_sweep_reports_bad_settings(model_dirs):
+    from app import lab
+
+    with pytest.raises(gr.Error, match="temperatures"):
+        lab.run_sweep(model_dirs["target"], "", "auto", True, 3, 0.8, 1.0, 0, 0, [1], "hot", ["prompt-lookup"],
+                      ["code"], 1, 1, 8, request=SimpleNamespace(session_hash="lab"), progress=print)  # fmt: skip
+    with pytest.raises(gr.Error, match="at least one"):
+        lab.run_sweep(model_dirs["target"], "", "auto", True, 3, 0.8, 1.0, 0, 0, [], "0", ["prompt-lookup"],
+                      ["code"], 1, 1, 8, request=SimpleNamespace(session_hash="lab"), progress=print)  # fmt: skip

@@ -60,6 +60,9 @@ def test_predictor_formulas_against_hand_computed_values():
     assert predict.interpolate({4: 1.5}, 2) == pytest.approx(1.25)
     assert predict.interpolate({4: 1.5}, 8) == pytest.approx(2.0)
     assert predict.interpolate({2: 1.2, 4: 1.6}, 3) == pytest.approx(1.4)
+    # noise that makes a longer pass look cheaper is flattened, and extrapolation never falls
+    assert predict.interpolate({2: 1.5, 4: 1.3}, 4) == pytest.approx(1.5)
+    assert predict.interpolate({2: 1.5, 4: 1.3}, 8) == pytest.approx(1.5 + 0.15 * 4)
     assert predict.predict([], 0.8, 0.1, {4: 1.0}, 4) == pytest.approx(leviathan_speedup(0.8, 4, 0.1))
 
 

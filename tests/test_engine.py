@@ -184,3 +184,19 @@ def test_text_stream_handles_multibyte_characters(llama_pair):
     pieces = [stream.push(t) for t in ids]
     assert "".join(pieces) + stream.flush() == text
     assert "" in pieces  # a byte that completes no character yet
+
+
+def test_adaptive_gamma_changes_draft_length_and_stays_lossless(llama_pair):
+    target, draft, tok = llama_pair
+    ids = prompt_ids(tok, PROMPTS[0])
+    expected = run_baseline(target, tok, ids, 60, eos=()).token_ids
+    oracle = Synthetic(len(ids), expected, 1.0, 384)
+    with torch.inference_mode():
+        steps = list(speculative_decode(target, tok, ids, oracle, 2, GREEDY, 60, set(), adaptive=True))
+    lengths = [len(s.drafted) for s in steps[1:]]
+    assert lengths[:4] == [2, 4, 6, 8]  # always fully accepted: +2 each step
+    for drafter in (DraftModel(draft, 384), PromptLookup()):
+        with torch.inference_mode():
+            steps = list(speculative_decode(target, tok, ids, drafter, 4, GREEDY, 60, set(), adaptive=True))
+        assert summarise("s", steps, "").token_ids == expected
+        assert len({len(s.drafted) for s in steps[1:] if s.drafted}) > 1
