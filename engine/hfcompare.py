@@ -4,6 +4,10 @@ Four contenders per prompt and repeat, their order rotating between repeats afte
 HF plain generate, HF assisted generation (a draft model with a constant `num_assistant_tokens` and no
 confidence cut-off, or `prompt_lookup_num_tokens`), our baseline, our speculative loop. Speeds are
 end to end (new tokens / wall time including the prefill), since `generate()` reports nothing finer.
+
+HF runs the models as `from_pretrained` returns them, as its users would; ours runs them as SpecArena
+loads them, which on CPU includes oneDNN-packed linear layers (engine.cpu). SPECARENA_CPU_PACK=0 makes
+both sides use stock layers, to compare the decoding loops alone.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 from engine.bench import Progress, Session, _quiet, spread
 from engine.compare import Request, prompt_ids, result_of, run_baseline, run_speculative
 from engine.errors import UserError
+from engine.models import MODELS
 from engine.predict import expected_tokens
 from engine.runtime import Clock, eos_ids
 
@@ -34,10 +39,14 @@ def _hf_kwargs(session: Session, req: Request) -> dict:
     return kwargs
 
 
-def _assisted_kwargs(session: Session, req: Request) -> dict:
+def _plain(spec: str, req: Request):
+    return MODELS.get(spec, req.dtype, req.device, pack=False).model
+
+
+def _assisted_kwargs(req: Request) -> dict:
     if req.drafter == "prompt-lookup":
         return dict(prompt_lookup_num_tokens=req.gamma, max_matching_ngram_size=req.ngram)
-    draft = session.pair.draft.model
+    draft = _plain(req.draft, req)
     # HF reads these from the assistant's generation config; fixed gamma, no early stop, as ours
     draft.generation_config.num_assistant_tokens = req.gamma
     draft.generation_config.num_assistant_tokens_schedule = "constant"
@@ -45,8 +54,8 @@ def _assisted_kwargs(session: Session, req: Request) -> dict:
     return dict(assistant_model=draft)
 
 
-def _hf_run(session: Session, ids: list[int], kwargs: dict) -> tuple[float, list[int]]:
-    model = session.pair.target.model
+def _hf_run(req: Request, ids: list[int], kwargs: dict) -> tuple[float, list[int]]:
+    model = _plain(req.target, req)
     inputs = torch.tensor([ids], device=model.device)
     clock = Clock(model.device)
     with torch.inference_mode():
@@ -67,8 +76,8 @@ def compare_hf(base: Request, prompts: list[str], repeats: int = 3, progress: Pr
         req = replace(base, prompt=prompt).validate()
         ids = prompt_ids(req, session.pair)
         runners = {
-            "hf_generate": lambda: _hf_run(session, ids, _hf_kwargs(session, req)),
-            "hf_assisted": lambda: _hf_run(session, ids, _hf_kwargs(session, req) | _assisted_kwargs(session, req)),
+            "hf_generate": lambda: _hf_run(req, ids, _hf_kwargs(session, req)),
+            "hf_assisted": lambda: _hf_run(req, ids, _hf_kwargs(session, req) | _assisted_kwargs(req)),
             "ours_baseline": lambda: _ours(run_baseline(session.pair, ids, req)),
             "ours_speculative": lambda: _ours(run_speculative(session.pair, ids, req, [])),
         }

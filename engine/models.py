@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from engine.cpu import pack_linears
 from engine.errors import OutOfMemory, UserError
 
 BUNDLED = "bundled:smollm2-135m-instruct"
@@ -147,10 +148,8 @@ class LoadedModel:
     dtype: torch.dtype
     load_s: float
     params: int = field(default=0)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.model.get_output_embeddings().weight.shape[0])
+    vocab_size: int = field(default=0)  # rows of the output layer (may exceed the tokenizer's by padding)
+    packed_linears: int = field(default=0)  # linear layers running on oneDNN-packed weights (engine.cpu)
 
     @property
     def context_length(self) -> int | None:
@@ -167,7 +166,11 @@ class LoadedModel:
 
     def describe(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")
-        return f"{self.spec}: {self.params / 1e6:.1f}M params, {dtype} on {self.device} (loaded in {self.load_s:.1f}s)"
+        packed = ", packed linears" if self.packed_linears else ""
+        return (
+            f"{self.spec}: {self.params / 1e6:.1f}M params, {dtype} on {self.device}{packed} "
+            f"(loaded in {self.load_s:.1f}s)"
+        )
 
 
 def load_tokenizer(spec: str, progress: Progress = _quiet):
@@ -193,7 +196,7 @@ def _load_failure(source: Source, exc: Exception) -> str:
     return f"could not load the model in {source.spec!r} ({text}). Check that the folder holds a complete model."
 
 
-def _load(spec: str, device: torch.device, dtype: torch.dtype, progress: Progress) -> LoadedModel:
+def _load(spec: str, device: torch.device, dtype: torch.dtype, progress: Progress, pack: bool) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve(spec, progress)
@@ -220,7 +223,9 @@ def _load(spec: str, device: torch.device, dtype: torch.dtype, progress: Progres
         raise OutOfMemory(f"out of memory moving {source.spec} to {device}: try a smaller dtype or pair.") from exc
     model.eval().requires_grad_(False)
     params = sum(p.numel() for p in model.parameters())
-    return LoadedModel(source.spec, model, tokenizer, device, dtype, time.perf_counter() - start, params)
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    packed = pack_linears(model) if pack else 0
+    return LoadedModel(source.spec, model, tokenizer, device, dtype, time.perf_counter() - start, params, vocab, packed)
 
 
 class ModelCache:
@@ -231,17 +236,20 @@ class ModelCache:
         self._models: OrderedDict[tuple, LoadedModel] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, spec: str, dtype: str = "auto", device: str = "auto", progress: Progress = _quiet) -> LoadedModel:
+    def get(
+        self, spec: str, dtype: str = "auto", device: str = "auto", progress: Progress = _quiet, pack: bool = True
+    ) -> LoadedModel:
+        """A loaded model; pack=False keeps stock nn.Linear layers (the reference HF users run)."""
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
-        key = ((spec or "").strip(), dt, str(dev))
+        key = ((spec or "").strip(), dt, str(dev), pack)
         with self._lock:
             if key in self._models:
                 self._models.move_to_end(key)
                 return self._models[key]
             while len(self._models) >= self.max_models:
                 self._evict_oldest()
-            loaded = _load(key[0], dev, dt, progress)
+            loaded = _load(key[0], dev, dt, progress, pack)
             self._models[key] = loaded
             return loaded
 

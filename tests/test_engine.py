@@ -200,3 +200,21 @@ def test_adaptive_gamma_changes_draft_length_and_stays_lossless(llama_pair):
             steps = list(speculative_decode(target, tok, ids, drafter, 4, GREEDY, 60, set(), adaptive=True))
         assert summarise("s", steps, "").token_ids == expected
         assert len({len(s.drafted) for s in steps[1:] if s.drafted}) > 1
+
+
+def test_packed_cpu_linears_match_stock_layers(model_dirs, llama_pair):
+    from engine.cpu import PackedLinear
+    from engine.models import ModelCache
+
+    cache = ModelCache(max_models=2)
+    packed, plain = cache.get(model_dirs["target"]), cache.get(model_dirs["target"], pack=False)
+    assert packed.packed_linears > 0 and plain.packed_linears == 0
+    assert isinstance(packed.model.lm_head, PackedLinear) and packed.vocab_size == plain.vocab_size == 384
+    ids = prompt_ids(llama_pair[2], PROMPTS[1])
+    with torch.inference_mode():
+        a = forward(packed.model, ids, new_cache(packed.model))
+        b = forward(plain.model, ids, new_cache(plain.model))
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    tok = packed.tokenizer
+    expected = run_baseline(plain.model, tok, ids, 30).token_ids
+    assert run_spec(packed.model, tok, ids, PromptLookup(), 4, 30).token_ids == expected
