@@ -20,7 +20,7 @@ import gradio as gr
 
 from app import charts, render
 from app.memory import SAMPLER
-from engine import presets
+from engine import policy, presets
 from engine.compare import Comparison, Request, Update, stream_compare
 from engine.errors import UserError
 from engine.metrics import RunResult, summarise
@@ -80,10 +80,11 @@ def build_request(
 
     seed = None if seed in (None, "") or float(seed) < 0 else whole(seed, "seed")
     sampling = SamplingConfig(float(temperature), whole(top_k, "top-k"), float(top_p), seed)
+    uses_draft = drafter == "draft-model" and (draft or "").strip()
     return Request(
         prompt=prompt or "",
-        target=(target or "").strip(),
-        draft=(draft or "").strip() or None,
+        target=policy.app_model(target),
+        draft=policy.app_model(draft) if uses_draft else None,
         drafter=drafter,
         gamma=whole(gamma, "gamma"),
         max_new_tokens=whole(max_new_tokens, "max new tokens"),
@@ -94,6 +95,24 @@ def build_request(
         alpha=float(alpha),
         adaptive=bool(adaptive),
     ).validate()
+
+
+FIELD_WORDS = ["prompt", "target", "drafter", "draft", "temperature", "top-p", "top-k", "max new tokens", "gamma",
+               "seed", "chat", "dtype", "n-gram", "alpha", "adaptive"]  # fmt: skip
+
+
+def validate(*values):
+    """Gradio validator for `compare`: the same checks as the engine, shown on the offending field at once."""
+    inputs = values[:15]
+    try:
+        build_request(*inputs)
+        problem, message = None, ""
+    except UserError as exc:
+        message = str(exc)
+        head = message.split(":")[0].lower()
+        problem = next((w for w in sorted(FIELD_WORDS, key=len, reverse=True) if w in head), "prompt")
+    marks = [gr.validate(word != problem, message if word == problem else "") for word in FIELD_WORDS]
+    return marks + [gr.validate(True, "")] * (len(values) - len(marks))
 
 
 @dataclass
@@ -238,6 +257,22 @@ def apply_preset(name: str):
     p = presets.pair(name)
     note = f"{p['note']}  \n*Measured on:* {p['measured_on']}"
     return p["target"], p["drafter"], p.get("draft", ""), p["gamma"], p.get("dtype", "auto"), p.get("alpha", 0.8), note
+
+
+def check_pair(target, drafter, draft, dtype, max_new_tokens):
+    """The pair doctor's report as Markdown, before any weights load."""
+    from engine.doctor import diagnose, markdown
+
+    try:
+        use_draft = drafter == "draft-model" and (draft or "").strip()
+        spec_t = policy.app_model(target)
+        spec_d = policy.app_model(draft) if use_draft else None
+        return markdown(diagnose(spec_t, spec_d, dtype or "auto", tokens=int(max_new_tokens) + 1024))
+    except UserError as exc:
+        return f"❌ {exc}"
+    except Exception as exc:  # noqa: BLE001 - a broken config must not take the app down
+        log.exception("pair check failed")
+        return f"❌ the pair check failed ({type(exc).__name__}: {exc})."
 
 
 def memory_tick():

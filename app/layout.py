@@ -44,6 +44,8 @@ def build_layout() -> SimpleNamespace:
             ui.target = gr.Textbox(BUNDLED, label="target model", info="Hub id (org/name[@rev]), folder or bundled")
             ui.drafter = gr.Radio(DRAFTERS, value=default["drafter"], label="drafter")
             ui.draft = gr.Textbox(default["draft"], label="draft model", info="same vocabulary as the target")
+            ui.check = gr.Button("Check pair", size="sm", elem_id="check-pair")
+            ui.doctor = gr.Markdown(elem_id="doctor")
             with gr.Accordion("parameters", open=False, elem_id="parameters"):
                 ui.temperature = gr.Slider(0, 2, value=0, step=0.05, label="temperature", info="0 = greedy")
                 ui.top_p = gr.Slider(0.01, 1, value=1, step=0.01, label="top-p")
@@ -103,8 +105,8 @@ def wire(ui: SimpleNamespace) -> None:
     run_args = dict(
         inputs=inputs, outputs=outputs, concurrency_limit=1, concurrency_id="device", show_progress="hidden"
     )
-    ui.run.click(handlers.compare, api_name="compare", **run_args)
-    ui.prompt.submit(handlers.compare, api_visibility="private", **run_args)
+    ui.run.click(handlers.compare, api_name="compare", validator=handlers.validate, **run_args)
+    ui.prompt.submit(handlers.compare, api_visibility="private", validator=handlers.validate, **run_args)
     ui.stop.click(handlers.stop, outputs=[ui.status], queue=False, api_visibility="private")
     ui.clear.click(
         handlers.clear,
@@ -116,6 +118,13 @@ def wire(ui: SimpleNamespace) -> None:
         inputs=[ui.preset],
         outputs=[ui.target, ui.drafter, ui.draft, ui.gamma, ui.dtype, ui.alpha, ui.preset_note],
         api_visibility="private",
+    )
+    ui.check.click(
+        handlers.check_pair,
+        inputs=[ui.target, ui.drafter, ui.draft, ui.dtype, ui.max_new_tokens],
+        outputs=[ui.doctor],
+        api_name="doctor",
+        concurrency_id="device",
     )
     ui.timer.tick(handlers.memory_tick, outputs=[ui.memory], queue=False, api_visibility="private")
 

@@ -60,6 +60,11 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--compare", choices=["hf"], help="hf: HF generate() and assisted generation vs ours")
     bench.add_argument("--json", metavar="PATH", help="write the whole report as JSON")
     bench.add_argument("--report", metavar="DIR", help="write report.json, report.csv and settings.md")
+
+    doctor = sub.add_parser("doctor", help="check a pair from configs and tokenizers, before loading weights")
+    add_pair_args(doctor)
+    doctor.add_argument("--tokens", type=int, default=2048, help="prompt + new tokens, to size the KV cache")
+    doctor.add_argument("--json", action="store_true", help="print one JSON object")
     return top
 
 
@@ -224,7 +229,16 @@ def hf_table(data: dict) -> str:
     return "\n".join(lines)
 
 
-COMMANDS = {"run": cmd_run, "bench": cmd_bench}
+def cmd_doctor(args) -> int:
+    """Exit code 0 when the pair can run (notes and warnings included), 1 when a check fails."""
+    from engine.doctor import diagnose, markdown
+
+    report = diagnose(args.target, args.draft, args.dtype, args.device, args.tokens)
+    print(json.dumps(report) if args.json else markdown(report).replace("**", ""))
+    return 1 if report["verdict"] == "fail" else 0
+
+
+COMMANDS = {"run": cmd_run, "bench": cmd_bench, "doctor": cmd_doctor}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -131,13 +131,11 @@ def environment(target: LoadedModel) -> dict:
 
 def check_vocab(target: LoadedModel, draft: LoadedModel) -> None:
     """Speculation verifies token ids, so the two models must mean the same thing by every id."""
-    t_vocab, d_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
-    if t_vocab != d_vocab:
-        shared = len(t_vocab.items() & d_vocab.items())
-        raise UserError(
-            f"the draft {draft.spec!r} does not share the target's vocabulary ({shared} of {len(t_vocab)} "
-            f"token ids agree): pick a draft from the target's model family, or use the prompt-lookup drafter."
-        )
+    from engine.doctor import vocab_check
+
+    check = vocab_check(target.tokenizer, draft.tokenizer)
+    if check.status == "fail":
+        raise UserError(f"the draft {draft.spec!r} does not share the target's vocabulary: {check.detail}")
 
 
 @dataclass

@@ -88,6 +88,7 @@ def model_dirs(tmp_path_factory, llama_pair):
     from transformers import PreTrainedTokenizerFast
 
     root = tmp_path_factory.mktemp("models")
+    os.environ["SPECARENA_MODELS_DIR"] = str(root)  # the app may read local models from here only
     target, draft, tokenizer = llama_pair
     for name, model in (("target", target), ("draft", draft)):
         model.save_pretrained(root / name)

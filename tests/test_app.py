@@ -59,7 +59,7 @@ def test_history_accumulates_across_runs(model_dirs):
         (dict(gamma=0), "gamma 0 is out of range"),
         (dict(temperature=2.5), "temperature"),
         (dict(top_k=1.5), "not a whole number"),
-        (dict(target="/no/such/dir"), "does not exist"),
+        (dict(target="/no/such/dir"), "operator's models folder"),
         (dict(draft=""), "needs a draft model"),
     ],
 )

@@ -1,0 +1,156 @@
+"""Pair doctor: can these two models speculate together, and will they fit? Checked before any weights load.
+
+From configs and tokenizers only: the vocabularies (speculation compares token ids, so both models must
+mean the same thing by every id a draft can propose), special tokens, probe texts, chat templates,
+context lengths, the parameter ratio, and weights + KV cache against the device's free memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import psutil
+import torch
+
+from engine.models import load_tokenizer, resolve, resolve_device, resolve_dtype, trust_remote_code
+
+PROBES = ["Hello, world! 123", "def f(x):\n    return x * 2", "Ünïcödé — 日本語 🙂"]
+RANK = {"ok": 0, "note": 1, "warn": 2, "fail": 3}
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # ok | note | warn | fail
+    detail: str
+
+
+def _config(spec: str):
+    from transformers import AutoConfig
+
+    source = resolve(spec)
+    return AutoConfig.from_pretrained(source.location, revision=source.revision, trust_remote_code=trust_remote_code())
+
+
+def count_params(config) -> int:
+    """Parameters of a model built from its config on the meta device: no memory, no weights."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code())
+    return sum(p.numel() for p in model.parameters())
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    cfg = config.get_text_config()
+    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 0)
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", 1)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0)
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    return 2 * layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def context_length(config) -> int | None:
+    cfg = config.get_text_config()
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(cfg, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def vocab_check(target_tok, draft_tok) -> Check:
+    t, d = target_tok.get_vocab(), draft_tok.get_vocab()
+    if t == d:
+        return Check("vocabulary", "ok", f"identical ({len(t)} tokens)")
+    shared = t.keys() & d.keys()
+    agree = sum(t[k] == d[k] for k in shared)
+    smaller = min(len(t), len(d))
+    if agree == len(shared) == smaller:
+        return Check("vocabulary", "note", f"the same {smaller} tokens with the same ids; one side adds "
+                     f"{abs(len(t) - len(d))} extra ids that the other never produces")  # fmt: skip
+    return Check(
+        "vocabulary", "fail",
+        f"only {agree} of {len(t)} token ids agree: the draft's proposals would be read as other tokens. Pick a "
+        "draft from the target's model family (same tokenizer), or use the prompt-lookup drafter.",
+    )  # fmt: skip
+
+
+def tokenizer_checks(target_tok, draft_tok) -> list[Check]:
+    checks = [vocab_check(target_tok, draft_tok)]
+    if checks[0].status == "fail":
+        return checks
+    differ = [name for name in ("eos_token_id", "bos_token_id", "pad_token_id")
+              if getattr(target_tok, name, None) != getattr(draft_tok, name, None)]  # fmt: skip
+    special = f"differ: {', '.join(differ)} (the target's are used)" if differ else "same EOS/BOS/PAD"
+    checks.append(Check("special tokens", "note" if differ else "ok", special))
+    mismatched = [p for p in PROBES if target_tok(p)["input_ids"] != draft_tok(p)["input_ids"]]
+    checks.append(Check("probe texts", "warn" if mismatched else "ok",
+                        f"{len(mismatched)} of {len(PROBES)} probes tokenize differently" if mismatched
+                        else f"{len(PROBES)} probes tokenize identically"))  # fmt: skip
+    same_template = getattr(target_tok, "chat_template", None) == getattr(draft_tok, "chat_template", None)
+    checks.append(Check("chat template", "ok" if same_template else "note",
+                        "same" if same_template else "differs: the draft reads the target's template"))  # fmt: skip
+    return checks
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return psutil.virtual_memory().available
+
+
+def diagnose(target: str, draft: str | None = None, dtype: str = "auto", device: str = "auto",
+             tokens: int = 2048) -> dict:  # fmt: skip
+    """All checks for a pair (or a target alone); `tokens` sizes the KV cache (prompt + new tokens)."""
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    specs = {"target": target} | ({"draft": draft} if draft else {})
+    configs = {role: _config(spec) for role, spec in specs.items()}
+    checks: list[Check] = []
+    if draft:
+        checks += tokenizer_checks(load_tokenizer(target), load_tokenizer(draft))
+    contexts = {role: context_length(cfg) for role, cfg in configs.items()}
+    known = [c for c in contexts.values() if c]
+    shorter = draft and contexts.get("draft") and contexts.get("target") and contexts["draft"] < contexts["target"]
+    checks.append(Check("context length", "note" if shorter else "ok",
+                        ", ".join(f"{r} {c or 'unknown'}" for r, c in contexts.items())
+                        + (f"; runs are limited to {min(known)} tokens" if known else "")))  # fmt: skip
+    params = {role: count_params(cfg) for role, cfg in configs.items()}
+    if draft:
+        ratio = params["target"] / max(params["draft"], 1)
+        status = "ok" if ratio >= 4 else "warn"
+        advice = (
+            "a draft pays off when it is roughly 10-50x smaller yet agrees often; below ~4x drafting costs too much"
+        )
+        checks.append(Check("size ratio", status, f"target/draft = {ratio:.1f}x parameters; {advice}"))
+    width = torch.finfo(dt).bits // 8
+    weights = sum(params.values()) * width
+    kv = sum(kv_bytes_per_token(cfg, dt) for cfg in configs.values()) * tokens
+    free = free_memory_bytes(dev)
+    need = weights + kv
+    gib = 1024**3
+    status = "ok" if need < 0.8 * free else "warn" if need < free else "fail"
+    detail = (f"weights {weights / gib:.2f} GiB + KV cache {kv / gib:.2f} GiB for {tokens} tokens "
+              f"= {need / gib:.2f} GiB of {free / gib:.1f} GiB free on {dev}")  # fmt: skip
+    if status == "fail":
+        detail += ": choose a smaller dtype (bfloat16/float16), fewer tokens, or a smaller pair"
+    checks.append(Check("memory", status, detail))
+    worst = max((c.status for c in checks), key=RANK.get)
+    return {
+        "target": target,
+        "draft": draft,
+        "dtype": str(dt).replace("torch.", ""),
+        "device": str(dev),
+        "params": params,
+        "verdict": {"ok": "ok", "note": "ok", "warn": "warn", "fail": "fail"}[worst],
+        "checks": [asdict(c) for c in checks],
+    }
+
+
+def markdown(report: dict) -> str:
+    icons = {"ok": "✅", "note": "ℹ️", "warn": "⚠️", "fail": "❌"}
+    lines = [f"**Pair check: {report['verdict']}** ({report['dtype']} on {report['device']})", ""]
+    lines += [f"- {icons[c['status']]} **{c['name']}**: {c['detail']}" for c in report["checks"]]
+    return "\n".join(lines)

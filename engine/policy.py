@@ -1,0 +1,58 @@
+"""What a user of the web app may load, as the operator decides (the CLI, run by the machine's owner, is free).
+
+- SPECARENA_ALLOWED_MODELS: unset lets any Hub id through; "presets" allows the bundled model and the
+  models in presets/pairs.json; any other value is a comma-separated list of allowed specs (the bundled
+  model is always allowed). For public Spaces.
+- SPECARENA_MODELS_DIR: the one folder whose models the app may read. Without it the app reads no local
+  paths at all, so nobody can point it at arbitrary files on the server.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from engine import presets
+from engine.errors import UserError
+from engine.models import BUNDLED
+
+
+def allowed_models() -> set[str] | None:
+    """The allow-list, or None when any model may be used."""
+    value = os.environ.get("SPECARENA_ALLOWED_MODELS", "").strip()
+    if not value:
+        return None
+    if value == "presets":
+        names = {p["target"] for p in presets.pairs()} | {p["draft"] for p in presets.pairs() if p.get("draft")}
+    else:
+        names = {v.strip() for v in value.split(",") if v.strip()}
+    return names | {BUNDLED, "bundled"}
+
+
+def _looks_local(spec: str) -> bool:
+    return spec.startswith((".", "/", "~")) or Path(spec).expanduser().exists()
+
+
+def app_model(spec: str) -> str:
+    """The spec the app may load for `spec`, or a UserError saying what is allowed."""
+    spec = (spec or "").strip()
+    if spec in (BUNDLED, "bundled"):
+        return spec
+    allowed = allowed_models()
+    root = os.environ.get("SPECARENA_MODELS_DIR")
+    if root and not _looks_local(spec) and (Path(root) / spec).is_dir():
+        spec = str(Path(root) / spec)  # a bare folder name inside the models folder
+    if _looks_local(spec):
+        if not root:
+            raise UserError("this app does not read local folders: use a Hub id or the bundled model "
+                            "(an operator can allow a folder with SPECARENA_MODELS_DIR).")  # fmt: skip
+        path, base = Path(spec).expanduser().resolve(), Path(root).expanduser().resolve()
+        if base != path and base not in path.parents:
+            raise UserError(f"only models inside the operator's models folder ({root}) can be loaded here.")
+        if allowed is not None and path.name not in allowed and str(path) not in allowed:
+            raise UserError(f"{path.name!r} is not on this app's list of allowed models.")
+        return str(path)
+    if allowed is not None and spec not in allowed:
+        shown = ", ".join(sorted(allowed - {"bundled"}))
+        raise UserError(f"{spec!r} is not on this app's list of allowed models: choose one of {shown}.")
+    return spec
