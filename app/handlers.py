@@ -199,7 +199,8 @@ def api_result(c: Comparison | None) -> dict:
     if c is None:
         return {}
     data = c.to_dict(with_steps=False)
-    return {k: data[k] for k in ("baseline", "speculative", "identical", "speedup", "settings", "environment")}
+    keys = ("baseline", "speculative", "identical", "speedup", "settings", "environment", "started_at", "finished_at")
+    return {k: data[k] for k in keys}
 
 
 def compare(

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import gradio as gr
 import plotly.graph_objects as go
 
+from app.gpu import on_gpu
 from app.handlers import STOPS, build_request
 from engine import presets, report
 from engine.bench import Stopped, sweep
@@ -187,6 +188,6 @@ def wire(ui: SimpleNamespace, play: SimpleNamespace) -> None:
               play.seed, ui.gammas, ui.temperatures, ui.drafters, ui.categories, ui.per_category, ui.repeats,
               ui.max_new_tokens]  # fmt: skip
     outputs = [ui.verdict, ui.cells, ui.curve, ui.category_chart, ui.category_table, ui.snippets, ui.files]
-    ui.run.click(run_sweep, inputs=inputs, outputs=outputs, api_name="sweep", concurrency_limit=1,
+    ui.run.click(on_gpu(run_sweep), inputs=inputs, outputs=outputs, api_name="sweep", concurrency_limit=1,
                  concurrency_id="device")  # fmt: skip
     ui.stop.click(stop, queue=False, api_visibility="private")

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import gradio as gr
 
 from app import handlers, render
+from app.gpu import on_gpu
 from engine import presets
 from engine.compare import MAX_GAMMA, max_new_tokens_cap
 from engine.models import BUNDLED
@@ -105,8 +106,9 @@ def wire(ui: SimpleNamespace) -> None:
     run_args = dict(
         inputs=inputs, outputs=outputs, concurrency_limit=1, concurrency_id="device", show_progress="hidden"
     )
-    ui.run.click(handlers.compare, api_name="compare", validator=handlers.validate, **run_args)
-    ui.prompt.submit(handlers.compare, api_visibility="private", validator=handlers.validate, **run_args)
+    compare = on_gpu(handlers.compare)
+    ui.run.click(compare, api_name="compare", validator=handlers.validate, **run_args)
+    ui.prompt.submit(compare, api_visibility="private", validator=handlers.validate, **run_args)
     ui.stop.click(handlers.stop, outputs=[ui.status], queue=False, api_visibility="private")
     ui.clear.click(
         handlers.clear,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import platform
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator
@@ -88,6 +89,8 @@ class Comparison:
     baseline: RunResult
     speculative: RunResult
     environment: dict
+    started_at: float = 0.0  # wall clock (time.time()) around warm-up and both runs, for logs and audits
+    finished_at: float = 0.0
 
     @property
     def identical(self) -> bool | None:
@@ -110,6 +113,8 @@ class Comparison:
             "speculative": self.speculative.to_dict(with_steps),
             "identical": self.identical,
             "speedup": self.speedup,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
         }
 
 
@@ -248,6 +253,7 @@ def stream_compare(req: Request, stop: threading.Event | None = None) -> Iterato
             else:
                 yield item
         ids = prompt_ids(req, pair)
+        started = time.time()
         if req.warmup:
             yield Update("status", message="warming up")
             warm_up(pair, ids, req)
@@ -261,7 +267,8 @@ def stream_compare(req: Request, stop: threading.Event | None = None) -> Iterato
         for update in run_speculative(pair, ids, req, baseline.token_ids, stop):
             speculative = update.result or speculative
             yield update
-        yield Update("done", result=Comparison(req, baseline, speculative, environment(pair.target)))
+        comparison = Comparison(req, baseline, speculative, environment(pair.target), started, time.time())
+        yield Update("done", result=comparison)
 
 
 def compare(req: Request, stop: threading.Event | None = None) -> Comparison:

@@ -229,10 +229,13 @@ def _load(spec: str, device: torch.device, dtype: torch.dtype, progress: Progres
 
 
 class ModelCache:
-    """Least-recently-used cache of loaded models; evicted models are freed at once."""
+    """Least-recently-used cache of loaded models, bounded by count (SPECARENA_MAX_MODELS) and by weight
+    memory (SPECARENA_MODEL_BUDGET_GB); evicted models are freed at once. A load that runs out of memory
+    evicts every other model and tries once more before giving up."""
 
-    def __init__(self, max_models: int | None = None):
+    def __init__(self, max_models: int | None = None, budget_gb: float | None = None):
         self.max_models = max_models or int(os.environ.get("SPECARENA_MAX_MODELS", "3"))
+        self.budget = (budget_gb or float(os.environ.get("SPECARENA_MODEL_BUDGET_GB", "0"))) * 1024**3
         self._models: OrderedDict[tuple, LoadedModel] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -249,9 +252,21 @@ class ModelCache:
                 return self._models[key]
             while len(self._models) >= self.max_models:
                 self._evict_oldest()
-            loaded = _load(key[0], dev, dt, progress, pack)
+            try:
+                loaded = _load(key[0], dev, dt, progress, pack)
+            except OutOfMemory:
+                if not self._models:
+                    raise
+                self._models.clear()
+                free_memory()
+                loaded = _load(key[0], dev, dt, progress, pack)
             self._models[key] = loaded
+            while self.budget and len(self._models) > 1 and self.weight_bytes() > self.budget:
+                self._evict_oldest()
             return loaded
+
+    def weight_bytes(self) -> int:
+        return sum(m.params * torch.finfo(m.dtype).bits // 8 for m in self._models.values())
 
     def _evict_oldest(self) -> None:
         self._models.popitem(last=False)

@@ -40,9 +40,52 @@ def test_compare_endpoint_returns_both_texts_and_consistent_metrics(client):
 
 
 def test_compare_endpoint_reports_bad_input(client):
-    from gradio_client.exceptions import AppError
-
-    with pytest.raises(AppError) as err:
+    # the validator answers before the job is queued, with the engine's message
+    with pytest.raises(Exception, match="prompt is empty") as err:
         call(client, prompt="")
-    assert "prompt is empty" in str(err.value)
+    assert type(err.value).__name__ == "ValidationError"
+    with pytest.raises(Exception, match="needs a draft model"):
+        call(client, drafter="draft-model")
+    with pytest.raises(Exception, match="does not read local folders"):
+        call(client, target="/etc")
     assert call(client, max_new_tokens=3)[0]["identical"] is True  # still serving
+
+
+def test_concurrent_clients_are_served_one_at_a_time_or_told_the_queue_is_full(live_app):
+    """8 clients at once against a queue of 4: each job completes or is turned away, runs never overlap."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gradio_client import Client
+
+    def one(i):
+        try:
+            return call(Client(live_app, verbose=False), max_new_tokens=4, seed=i)[0]
+        except Exception as exc:  # noqa: BLE001 - the queue's refusal is an exception on the client
+            return exc
+
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(one, range(8), timeout=600))
+    done = [o for o in outcomes if isinstance(o, dict)]
+    refused = [o for o in outcomes if not isinstance(o, dict)]
+    assert done and all(o["identical"] is True for o in done)
+    assert all("queue is full" in str(e).lower() for e in refused), refused
+    spans = sorted((o["started_at"], o["finished_at"]) for o in done)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))  # never two at once
+
+
+def test_a_client_that_cancels_frees_the_slot(live_app):
+    import time
+
+    from gradio_client import Client
+
+    slow = Client(live_app, verbose=False)
+    args = dict(prompt="Write a very long story about the sea.", target="bundled:smollm2-135m-instruct",
+                drafter="prompt-lookup", draft="", temperature=0, top_p=1, top_k=0, max_new_tokens=400, gamma=4,
+                seed=0, chat=True, dtype="auto", ngram=3, alpha=0.8, adaptive=False)  # fmt: skip
+    job = slow.submit(**args, api_name="/compare")
+    time.sleep(8)  # the long run is generating now
+    job.cancel()
+    started = time.time()
+    result = call(Client(live_app, verbose=False), max_new_tokens=4)[0]
+    assert result["identical"] is True
+    assert time.time() - started < 120  # not stuck behind the abandoned 400-token run

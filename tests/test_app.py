@@ -156,3 +156,54 @@ def test_lab_sweep_reports_bad_settings(model_dirs):
     with pytest.raises(gr.Error, match="at least one"):
         lab.run_sweep(model_dirs["target"], "", "auto", True, 3, 0.8, 1.0, 0, 0, [], "0", ["prompt-lookup"],
                       ["code"], 1, 1, 8, request=SimpleNamespace(session_hash="lab"), progress=print)  # fmt: skip
+
+
+def test_out_of_memory_in_generation_is_reported_and_the_next_run_works(model_dirs, monkeypatch):
+    import torch
+
+    import engine.speculative
+
+    real = engine.speculative.forward
+    calls = {"n": 0}
+
+    def flaky(model, ids, cache, keep=0):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(model, ids, cache, keep)
+
+    monkeypatch.setattr(engine.speculative, "forward", flaky)
+    with pytest.raises(gr.Error) as err:
+        run_handler(ui_values(model_dirs, max_new_tokens=10))
+    assert "ran out of memory" in str(err.value) and "next run can go ahead" in str(err.value)
+    assert run_handler(ui_values(model_dirs, max_new_tokens=6))[-1][0]["identical"] is True
+
+
+def test_out_of_memory_while_loading_evicts_and_retries(model_dirs, monkeypatch):
+    import engine.models as models
+    from engine.errors import OutOfMemory
+
+    cache = models.ModelCache(max_models=3)
+    cache.get(model_dirs["draft"])
+    real, calls = models._load, {"n": 0}
+
+    def tight(*args):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OutOfMemory("out of memory while loading: try a smaller dtype")
+        return real(*args)
+
+    monkeypatch.setattr(models, "_load", tight)
+    loaded = cache.get(model_dirs["target"])
+    assert loaded.params > 0 and [m.spec for m in cache.loaded()] == [model_dirs["target"]]
+
+
+def test_model_cache_respects_its_memory_budget(model_dirs):
+    from engine.models import ModelCache
+
+    one = ModelCache(max_models=5).get(model_dirs["target"])
+    budget_gb = 1.5 * one.params * 4 / 1024**3  # room for one float32 copy, not two
+    cache = ModelCache(max_models=5, budget_gb=budget_gb)
+    cache.get(model_dirs["target"])
+    cache.get(model_dirs["draft"])
+    assert [m.spec for m in cache.loaded()] == [model_dirs["draft"]]
