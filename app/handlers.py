@@ -27,8 +27,10 @@ from engine.metrics import RunResult, summarise
 from engine.sampling import SamplingConfig
 
 log = logging.getLogger("specarena")
-RENDER_EVERY = 0.25  # seconds between text refreshes while tokens stream
-CHART_EVERY = 1.0  # charts cost the browser far more to redraw; on a CPU machine that is CPU taken from the model
+# Each refresh costs the server (rendering, diffing, streaming) and the browser CPU that, on a CPU machine,
+# the model would otherwise use: text twice a second, charts every two seconds, everything at phase ends.
+RENDER_EVERY = 0.5
+CHART_EVERY = 2.0
 
 HISTORY_COLUMNS = [
     "time", "target", "drafter", "draft", "gamma", "temperature", "max new", "speedup",

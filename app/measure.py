@@ -1,0 +1,73 @@
+"""How much serving costs: the same comparison through the app's `compare` API and through the engine.
+
+    python -m app.measure [--repeats 3] [--max-new-tokens 64]
+
+Starts `python app.py` on a free loopback port (as a user would), then alternates engine-alone runs in
+this process and API runs of the same request (bundled model, prompt lookup, greedy) and prints the median
+ratio of speculative and baseline tokens/s, API over engine. The engine's clocks exclude the UI's time by
+construction; what this shows is whether rendering and streaming steal CPU from the model while it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+from gradio_client import Client
+
+from engine import presets
+from engine.compare import Request, compare
+from engine.models import BUNDLED
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m app.measure")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    prompt = presets.tasks()["categories"]["rewriting"]["prompts"][0]
+    port = free_port()
+    env = dict(os.environ, GRADIO_SERVER_NAME="127.0.0.1", GRADIO_SERVER_PORT=str(port))
+    server = subprocess.Popen([sys.executable, "app.py"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/"
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            break
+        except OSError:
+            time.sleep(0.5)
+    client = Client(url, verbose=False)
+    api_args = dict(prompt=prompt, target=BUNDLED, drafter="prompt-lookup", draft="", temperature=0, top_p=1,
+                    top_k=0, max_new_tokens=args.max_new_tokens, gamma=4, seed=0, chat=True, dtype="auto", ngram=3,
+                    alpha=0.8, adaptive=False)  # fmt: skip
+    request = Request(prompt, drafter="prompt-lookup", gamma=4, max_new_tokens=args.max_new_tokens)
+    ratios: dict[str, list[float]] = {"speculative": [], "baseline": []}
+    for r in range(args.repeats):
+        for first in ("engine", "api") if r % 2 == 0 else ("api", "engine"):
+            if first == "engine":
+                engine = compare(request).to_dict(with_steps=False)
+            else:
+                api = client.predict(**api_args, api_name="/compare")[0]
+        for side in ratios:
+            ratios[side].append(api[side]["metrics"]["tokens_per_s"] / engine[side]["metrics"]["tokens_per_s"])
+        print(f"repeat {r + 1}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in ratios.items()))
+    for side, values in ratios.items():
+        print(f"{side} tokens/s, API / engine: median {statistics.median(values):.3f} "
+              f"(min {min(values):.3f}, max {max(values):.3f}, {len(values)} pairs)")  # fmt: skip
+    server.terminate()
+
+
+if __name__ == "__main__":
+    main()
