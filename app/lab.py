@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import gradio as gr
@@ -27,7 +28,8 @@ HELP = """Measure whether speculation pays for this pair **on this machine**: ev
 (baseline and speculative one after the other, order alternating, after a warm-up), reported as the median
 with its min–max spread. The predictor fits α per draft position, the draft cost c and the verify cost from
 these runs and draws the expected speedup over γ. Pick one γ, one temperature and one drafter with several
-categories to run the task suite. The camera icon on a chart saves it as PNG."""
+categories to run the task suite. The camera icon on a chart saves it as PNG; the report's charts.html holds
+both charts and opens offline."""
 
 CELL_COLUMNS = ["drafter", "γ", "temperature", "speedup", "min", "max", "acceptance", "tok/s base", "tok/s spec",
                 "identical"]  # fmt: skip
@@ -173,10 +175,21 @@ def run_sweep(
         raise gr.Error(f"the sweep failed unexpectedly ({type(exc).__name__}: {exc}); the app is still running.")
     finally:
         STOPS.finish(session, stop)
-    paths = report.write(data, tempfile.mkdtemp(prefix="specarena-lab-"))
+    folder = tempfile.mkdtemp(prefix="specarena-lab-")
+    paths = list(report.write(data, folder).values())
+    curve, categories = curve_figure(data), category_figure(data)
+    paths.append(write_charts(folder, curve, categories))
     verdicts = "\n".join(f"- **{f['drafter']}, temperature {f['temperature']}**: {f['verdict']}" for f in data["fits"])
-    return (verdicts, cell_rows(data), curve_figure(data), category_figure(data), category_rows(data),
-            snippets_markdown(data), [str(p) for p in paths.values()])  # fmt: skip
+    return (verdicts, cell_rows(data), curve, categories, category_rows(data), snippets_markdown(data),
+            [str(p) for p in paths])  # fmt: skip
+
+
+def write_charts(folder: str, *figures: go.Figure) -> Path:
+    """The charts in one HTML file that opens offline (plotly.js is embedded once)."""
+    parts = [fig.to_html(full_html=False, include_plotlyjs=i == 0) for i, fig in enumerate(figures)]
+    path = Path(folder) / "charts.html"
+    path.write_text('<!doctype html><meta charset="utf-8"><title>SpecArena report charts</title>' + "".join(parts))
+    return path
 
 
 def stop(request: gr.Request) -> None:

@@ -144,7 +144,9 @@ def test_lab_sweep_handler_fills_tables_charts_and_report(model_dirs):
     assert {row[0] for row in categories} == {"rewriting", "creative_writing"}
     assert len(curve.data) == 3 * 4 and len(categories_chart.data) == 2
     assert "## transformers" in snippets
-    assert sorted(p.rsplit("/", 1)[1] for p in files) == ["report.csv", "report.json", "settings.md"]
+    assert sorted(p.rsplit("/", 1)[1] for p in files) == ["charts.html", "report.csv", "report.json", "settings.md"]
+    charts_html = open(next(p for p in files if p.endswith("charts.html"))).read()
+    assert charts_html.count("Plotly.newPlot") == 2
 
 
 def test_lab_sweep_reports_bad_settings(model_dirs):
