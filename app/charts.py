@@ -105,8 +105,9 @@ def live_figure(base: RunResult | None, spec: RunResult | None) -> dict:
     return {"data": traces, "layout": json.loads(_live_layout())}
 
 
-def memory_figure(samples: list[dict], source: str) -> dict:
-    """Memory over time: GPU used/total (NVML) and torch-allocated, or the process RSS on CPU."""
+def memory_figure(samples: list[dict], source: str, models: dict[str, float] | None = None) -> dict:
+    """Memory over time: GPU used/total (NVML) and torch-allocated, or the process RSS on CPU; plus the
+    weights of each loaded model as a flat line, so one can see which model holds what."""
     traces = []
     if samples:
         t0 = samples[0]["t"]
@@ -117,6 +118,9 @@ def memory_figure(samples: list[dict], source: str) -> dict:
             if any(y is not None for y in ys):
                 traces.append({"type": "scatter", "mode": "lines", "x": xs, "y": ys, "name": name,
                                "line": {"dash": dash}})  # fmt: skip
+        for spec, mib in (models or {}).items():
+            traces.append({"type": "scatter", "mode": "lines", "x": [xs[0], xs[-1]], "y": [mib, mib],
+                           "name": f"weights: {spec}", "line": {"dash": "dashdot", "width": 1}})  # fmt: skip
     layout = {
         "title": {"text": f"memory (MiB): {source}", "font": {"size": 13}},
         "height": 260,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import gradio as gr
+import torch
 
 from app import charts, render
 from app.memory import SAMPLER
@@ -24,6 +25,7 @@ from engine import policy, presets
 from engine.compare import Comparison, Request, Update, stream_compare
 from engine.errors import UserError
 from engine.metrics import RunResult, summarise
+from engine.models import MODELS
 from engine.sampling import SamplingConfig
 
 log = logging.getLogger("specarena")
@@ -280,4 +282,5 @@ def check_pair(target, drafter, draft, dtype, max_new_tokens):
 
 def memory_tick():
     SAMPLER.start()
-    return charts.as_plot(charts.memory_figure(SAMPLER.snapshot(), SAMPLER.source))
+    weights = {m.spec: m.params * torch.finfo(m.dtype).bits / 8 / 2**20 for m in MODELS.loaded()}
+    return charts.as_plot(charts.memory_figure(SAMPLER.snapshot(), SAMPLER.source, weights))

@@ -126,8 +126,11 @@ def test_clear_and_presets_and_memory_chart():
         "Qwen2.5-7B-Instruct + Qwen2.5-0.5B-Instruct (GPU)"
     )
     assert (target, drafter, draft) == ("Qwen/Qwen2.5-7B-Instruct", "draft-model", "Qwen/Qwen2.5-0.5B-Instruct")
-    figure = charts.memory_figure([{"t": 0.0, "used_mb": 10.0}, {"t": 1.0, "used_mb": 12.0}], "process RSS")
+    samples = [{"t": 0.0, "used_mb": 10.0}, {"t": 1.0, "used_mb": 12.0}]
+    figure = charts.memory_figure(samples, "process RSS", {"bundled": 513.0})
     assert figure["data"][0]["y"] == [10.0, 12.0]
+    assert figure["data"][1]["name"] == "weights: bundled" and figure["data"][1]["y"] == [513.0, 513.0]
+    assert json.loads(handlers.memory_tick().plot)["layout"]["title"]["text"].startswith("memory")
 
 
 def test_lab_sweep_handler_fills_tables_charts_and_report(model_dirs):
