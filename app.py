@@ -9,8 +9,10 @@ from __future__ import annotations
 import os
 import threading
 
-from app.layout import CSS, THEME, build_demo
-from engine.models import BUNDLED, MODELS
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # works offline; sends nothing anywhere
+
+from app.layout import CSS, THEME, build_demo  # noqa: E402 - after the environment is set
+from engine.models import BUNDLED, MODELS  # noqa: E402
 
 demo = build_demo()
 demo.queue(max_size=int(os.environ.get("SPECARENA_QUEUE_SIZE", "16")))
