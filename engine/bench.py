@@ -18,7 +18,7 @@ from engine.compare import (
     Request,
     environment,
     guarded,
-    open_pair,
+    pair_of,
     prompt_ids,
     result_of,
     run_baseline,
@@ -124,7 +124,7 @@ class Session:
     def __init__(self, base: Request, progress: Progress = _quiet, stop: threading.Event | None = None):
         self.base = base.validate()
         self.progress, self.stop = progress, stop
-        self.pair: Pair = [x for x in open_pair(base) if isinstance(x, Pair)][0]
+        self.pair: Pair = pair_of(base)
         self.environment = environment(self.pair.target)
         self._references: dict[tuple, list[int]] = {}
         self._warm: set[tuple] = set()
@@ -132,11 +132,10 @@ class Session:
     def with_draft(self, drafter: str) -> "Session":
         """The draft model is loaded only if a draft-model cell is asked for."""
         if drafter == "draft-model" and self.pair.draft is None:
-            loaded = [x for x in open_pair(replace(self.base, drafter=drafter)) if isinstance(x, Pair)][0]
-            self.pair = loaded
+            self.pair = pair_of(replace(self.base, drafter=drafter))
         return self
 
-    def _check_stop(self) -> None:
+    def check_stop(self) -> None:
         if self.stop is not None and self.stop.is_set():
             raise Stopped()
 
@@ -160,7 +159,7 @@ class Session:
                 self._warm.add(key)
             samples = []
             for r in range(repeats):
-                self._check_stop()
+                self.check_stop()
                 seeded = replace(req, sampling=replace(req.sampling, seed=(req.sampling.seed or 0) + r))
                 if r % 2 == 0:
                     base = result_of(run_baseline(self.pair, ids, seeded))

@@ -244,6 +244,11 @@ def open_pair(req: Request) -> Iterator[Update | Pair]:
     yield from load_pair(req)
 
 
+def pair_of(req: Request) -> Pair:
+    """Validate and load, without the status updates."""
+    return [item for item in open_pair(req) if isinstance(item, Pair)][0]
+
+
 def stream_compare(req: Request, stop: threading.Event | None = None) -> Iterator[Update]:
     """Validate, load, warm up, then run baseline and speculative one after the other."""
     with guarded():

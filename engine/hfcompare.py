@@ -84,7 +84,7 @@ def compare_hf(base: Request, prompts: list[str], repeats: int = 3, progress: Pr
         for name in CONTENDERS:  # warm-up
             runners[name]()
         for r in range(repeats):
-            session._check_stop()
+            session.check_stop()
             progress(i * repeats + r, total, f"prompt {i + 1}, repeat {r + 1}")
             order = CONTENDERS[r % 4 :] + CONTENDERS[: r % 4]
             got = {name: runners[name]() for name in order}
