@@ -99,7 +99,8 @@ class PromptLookup(Drafter):
     """Find the last max_ngram..min_ngram tokens earlier in the text and propose what followed them.
 
     Strong when the output copies the input (summaries, edits, code changes, extraction), free to run.
-    The most recent match wins: recent context predicts the continuation best.
+    The most recent match wins (recent context predicts best) unless its continuation is cut short by
+    the end of the text, in which case the latest match with the longest continuation does.
     """
 
     name = "prompt-lookup"
@@ -115,10 +116,11 @@ class PromptLookup(Drafter):
         seq = torch.tensor(ids)
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
             windows = seq[:-1].unfold(0, n, 1)  # (L-n, n): every n-gram that has a following token
-            hits = (windows == seq[-n:]).all(dim=1).nonzero()
-            if len(hits):
-                start = int(hits[-1]) + n
-                return Draft(ids[start : start + gamma])
+            starts = ((windows == seq[-n:]).all(dim=1).nonzero().flatten() + n).tolist()
+            if starts:
+                # the latest match whose continuation fills the draft; a match near the end has a short one
+                best = max(reversed(starts), key=lambda start: min(len(ids) - start, gamma))
+                return Draft(ids[best : best + gamma])
         return Draft([])
 
 

@@ -142,6 +142,10 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match():
     assert lookup.propose([1, 2, 3, 4, 9, 1, 2, 5, 6, 1, 2], 3, GREEDY, gen).tokens == [5, 6, 1]
     assert lookup.propose([1, 2, 3], 3, GREEDY, gen).tokens == []
     assert lookup.propose([4, 4, 4], 3, GREEDY, gen).tokens == [4]
+    # the latest match with a full continuation wins over an earlier one...
+    assert lookup.propose([1, 2, 5, 6, 8, 7, 1, 2, 9, 1, 2], 3, GREEDY, gen).tokens == [9, 1, 2]
+    # ...but a latest match cut short by the end of the text loses to one that fills the draft
+    assert lookup.propose([1, 2, 5, 6, 8, 3, 1, 2, 1, 2], 3, GREEDY, gen).tokens == [5, 6, 8]
 
 
 def test_events_carry_pieces_that_add_up_to_the_text(llama_pair):
