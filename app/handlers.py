@@ -69,6 +69,11 @@ class StopFlags:
 STOPS = StopFlags()
 
 
+def session_of(request, suffix: str = "") -> str:
+    """The browser session's key for stop flags (API calls without a session share one)."""
+    return (getattr(request, "session_hash", None) or "anonymous") + suffix
+
+
 def build_request(
     prompt, target, drafter, draft, temperature, top_p, top_k, max_new_tokens, gamma, seed, chat, dtype, ngram, alpha,
     adaptive=False,
@@ -219,7 +224,7 @@ def compare(
         )  # fmt: skip
     except UserError as exc:
         raise gr.Error(str(exc)) from None
-    session = getattr(request, "session_hash", None) or "anonymous"
+    session = session_of(request)
     stop = STOPS.start(session)
     history = list(history or [])
     live, last_text, last_chart = Live(number=len(history) + 1), 0.0, 0.0
@@ -248,7 +253,7 @@ def compare(
 
 
 def stop(request: gr.Request) -> str:
-    stopped = STOPS.stop(getattr(request, "session_hash", None) or "anonymous")
+    stopped = STOPS.stop(session_of(request))
     return "stopping after the current step…" if stopped else "nothing is running"
 
 

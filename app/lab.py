@@ -15,7 +15,7 @@ import gradio as gr
 import plotly.graph_objects as go
 
 from app.gpu import on_gpu
-from app.handlers import STOPS, build_request
+from app.handlers import STOPS, build_request, session_of
 from engine import presets, report
 from engine.bench import Stopped, sweep
 from engine.errors import UserError
@@ -161,7 +161,7 @@ def run_sweep(
         raise gr.Error(f"temperatures {temperatures!r}: write numbers separated by commas, e.g. 0, 0.7.") from None
     except UserError as exc:
         raise gr.Error(str(exc)) from None
-    session = (getattr(request, "session_hash", None) or "anonymous") + ":lab"
+    session = session_of(request, ":lab")
     stop = STOPS.start(session)
     try:
         data = sweep(base, prompts, sorted(int(g) for g in gammas), temps, list(drafters), int(repeats),
@@ -193,7 +193,7 @@ def write_charts(folder: str, *figures: go.Figure) -> Path:
 
 
 def stop(request: gr.Request) -> None:
-    STOPS.stop((getattr(request, "session_hash", None) or "anonymous") + ":lab")
+    STOPS.stop(session_of(request, ":lab"))
 
 
 def wire(ui: SimpleNamespace, play: SimpleNamespace) -> None:

@@ -12,7 +12,14 @@ from dataclasses import asdict, dataclass
 import psutil
 import torch
 
-from engine.models import load_tokenizer, resolve, resolve_device, resolve_dtype, trust_remote_code
+from engine.models import (
+    context_length,
+    load_tokenizer,
+    resolve,
+    resolve_device,
+    resolve_dtype,
+    trust_remote_code,
+)
 
 PROBES = ["Hello, world! 123", "def f(x):\n    return x * 2", "Ünïcödé — 日本語 🙂"]
 RANK = {"ok": 0, "note": 1, "warn": 2, "fail": 3}
@@ -49,15 +56,6 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0)
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
     return 2 * layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
-
-
-def context_length(config) -> int | None:
-    cfg = config.get_text_config()
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(cfg, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 def vocab_check(target_tok, draft_tok) -> Check:

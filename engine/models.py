@@ -137,6 +137,16 @@ def bundled_folder(progress: Progress = _quiet) -> Path:
     return folder
 
 
+def context_length(config) -> int | None:
+    """The longest sequence a model config allows, under whichever name its architecture uses."""
+    cfg = config.get_text_config()
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(cfg, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 @dataclass
 class LoadedModel:
     """A model ready to run, with the tokenizer that was saved beside it."""
@@ -153,12 +163,7 @@ class LoadedModel:
 
     @property
     def context_length(self) -> int | None:
-        cfg = self.model.config.get_text_config()
-        for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-            value = getattr(cfg, key, None)
-            if isinstance(value, int) and value > 0:
-                return value
-        return None
+        return context_length(self.model.config)
 
     @property
     def has_chat_template(self) -> bool:
