@@ -12,17 +12,17 @@ from html import escape
 
 from engine.metrics import Metrics, StepEvent
 
-KINDS = {
-    "acc": ("accepted draft", "#16a34a"),
-    "cor": ("target correction", "#dc2626"),
-    "bon": ("bonus token", "#2563eb"),
-    "tgt": ("target token", "#6b7280"),
-    "rej": ("rejected draft", "#9ca3af"),
+KINDS = {  # CSS class suffix -> legend label; the colours live in assets/style.css
+    "acc": "accepted draft",
+    "cor": "target correction",
+    "bon": "bonus token",
+    "tgt": "target token",
+    "rej": "rejected draft",
 }
 
 LEGEND = (
     '<div class="sa-legend">'
-    + "".join(f'<span class="sa-tok sa-{k}">{escape(label)}</span>' for k, (label, _) in KINDS.items())
+    + "".join(f'<span class="sa-tok sa-{k}">{escape(label)}</span>' for k, label in KINDS.items())
     + "</div>"
 )
 
