@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import gradio as gr
-import torch
 
 from app import charts, render
 from app.memory import SAMPLER
@@ -287,5 +286,5 @@ def check_pair(target, drafter, draft, dtype, max_new_tokens):
 
 def memory_tick():
     SAMPLER.start()
-    weights = {m.spec: m.params * torch.finfo(m.dtype).bits / 8 / 2**20 for m in MODELS.loaded()}
+    weights = {m.spec: m.weight_bytes / 2**20 for m in MODELS.loaded()}
     return charts.as_plot(charts.memory_figure(SAMPLER.snapshot(), SAMPLER.source, weights))

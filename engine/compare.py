@@ -25,10 +25,9 @@ from engine.metrics import RunResult, StepEvent, summarise
 from engine.models import BUNDLED, MODELS, LoadedModel, free_memory
 from engine.runtime import encode_prompt, eos_ids
 from engine.sampling import SamplingConfig
-from engine.speculative import speculative_decode
+from engine.speculative import MAX_GAMMA, speculative_decode
 
 DRAFTERS = ("draft-model", "prompt-lookup", "synthetic")
-MAX_GAMMA = 16
 
 
 def max_new_tokens_cap() -> int:

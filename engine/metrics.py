@@ -108,14 +108,6 @@ def position_counts(decode: list[StepEvent]) -> list[tuple[int, int]]:
     return list(zip(reached, kept))
 
 
-def _per_position(decode: list[StepEvent]) -> tuple[list[float | None], list[int]]:
-    rates = [k / r if r else None for r, k in position_counts(decode)]
-    hist = [0] * (len(rates) + 1)
-    for s in decode:
-        hist[s.accepted] += 1
-    return rates, hist
-
-
 def summarise(mode: str, steps: list[StepEvent], text: str) -> RunResult:
     """Turn a finished run's events into a RunResult."""
     if not steps:
@@ -137,7 +129,10 @@ def summarise(mode: str, steps: list[StepEvent], text: str) -> RunResult:
     if alpha is not None and c is not None:
         gained = sum(leviathan_speedup(alpha, len(s.drafted), c) * (len(s.drafted) * c + 1) for s in decode)
         predicted = gained / sum(len(s.drafted) * c + 1 for s in decode)
-    rates, hist = _per_position(decode)
+    rates = [k / r if r else None for r, k in counts]
+    hist = [0] * (len(counts) + 1)
+    for s in decode:
+        hist[s.accepted] += 1
     metrics = Metrics(
         new_tokens=len(ids),
         ttft_s=ttft,

@@ -166,6 +166,10 @@ class LoadedModel:
         return context_length(self.model.config)
 
     @property
+    def weight_bytes(self) -> int:
+        return self.params * torch.finfo(self.dtype).bits // 8
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
@@ -271,7 +275,7 @@ class ModelCache:
             return loaded
 
     def weight_bytes(self) -> int:
-        return sum(m.params * torch.finfo(m.dtype).bits // 8 for m in self._models.values())
+        return sum(m.weight_bytes for m in self._models.values())
 
     def _evict_oldest(self) -> None:
         self._models.popitem(last=False)

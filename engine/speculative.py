@@ -27,7 +27,7 @@ from engine.metrics import StepEvent
 from engine.runtime import Clock, TextStream, emit, forward, prefill
 from engine.sampling import SamplingConfig, verify
 
-MAX_ADAPTIVE_GAMMA = 16
+MAX_GAMMA = 16  # the longest draft: the UI's bound, adaptive gamma's ceiling, the predictor's range
 
 
 @torch.inference_mode()  # per resumption: a UI may resume this generator on another thread
@@ -46,7 +46,7 @@ def speculative_decode(
     """Yield one StepEvent per target pass until EOS, max_new_tokens or `stop`.
 
     With `adaptive`, gamma follows transformers' heuristic schedule: +2 after a fully accepted draft,
-    -1 after a rejection, between 1 and MAX_ADAPTIVE_GAMMA.
+    -1 after a rejection, between 1 and MAX_GAMMA.
     """
     clock = Clock(target.device)
     generator = cfg.generator(target.device)
@@ -89,7 +89,7 @@ def speculative_decode(
         t3 = clock.now()
 
         if adaptive and k:
-            gamma = min(gamma + 2, MAX_ADAPTIVE_GAMMA) if n == k else max(1, gamma - 1)
+            gamma = min(gamma + 2, MAX_GAMMA) if n == k else max(1, gamma - 1)
         elapsed += t3 - t0
         ids += tokens
         produced += len(tokens)
