@@ -230,7 +230,12 @@ def sweep(
     }
 
 
-def _settings(base: Request, prompts: list[tuple[str, str]], repeats: int) -> dict:
-    data = asdict(replace(base, prompt=""))
+def request_settings(base: Request) -> dict:
+    """The request's settings as plain JSON-ready values, without the prompt (reports list prompts apart)."""
+    data = asdict(base)
     data.pop("prompt")
-    return data | {"prompts": [{"category": c, "prompt": p} for c, p in prompts], "repeats": repeats}
+    return data
+
+
+def _settings(base: Request, prompts: list[tuple[str, str]], repeats: int) -> dict:
+    return request_settings(base) | {"prompts": [{"category": c, "prompt": p} for c, p in prompts], "repeats": repeats}

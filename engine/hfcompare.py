@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from engine.bench import Progress, Session, _quiet, spread
+from engine.bench import Progress, Session, _quiet, request_settings, spread
 from engine.compare import Request, prompt_ids, result_of, run_baseline, run_speculative
 from engine.errors import UserError
 from engine.models import MODELS
@@ -92,7 +92,7 @@ def compare_hf(base: Request, prompts: list[str], repeats: int = 3, progress: Pr
     progress(total, total, "done")
     return {
         "kind": "compare_hf",
-        "settings": {k: v for k, v in vars(base).items() if k != "prompt"} | {"prompts": prompts, "repeats": repeats},
+        "settings": request_settings(base) | {"prompts": prompts, "repeats": repeats},
         "environment": session.environment,
         "ratios": {key: spread([row[key] for row in rows]) for key in RATIOS},
         "speeds": {name: spread([row[name]["tokens_per_s"] for row in rows]) for name in CONTENDERS},

@@ -117,6 +117,18 @@ def test_cli_bench_writes_valid_json(model_dirs, tmp_path, capsys):
     assert "speedup (min-max)" in capsys.readouterr().out
 
 
+def test_cli_hf_comparison_writes_valid_json(model_dirs, tmp_path, capsys):
+    out = tmp_path / "hf.json"
+    code = main(["bench", "--compare", "hf", "--target", model_dirs["target"], "--drafter", "prompt-lookup",
+                 "--prompt", "ab ab ab", "--gamma", "2", "--repeats", "1", "--max-new-tokens", "8",
+                 "--json", str(out)])  # fmt: skip
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["kind"] == "compare_hf" and data["settings"]["sampling"]["temperature"] == 0.0
+    assert set(data["ratios"]) == set(hfcompare.RATIOS)
+    assert "ours_spec_over_hf_assisted" in capsys.readouterr().out
+
+
 def test_cli_bench_rejects_a_bad_gamma_list(model_dirs, capsys):
     assert main(["bench", "--target", model_dirs["target"], "--gamma", "1,x"]) == 2
     assert "comma-separated" in capsys.readouterr().err
