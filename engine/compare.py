@@ -178,7 +178,7 @@ def make_drafter(req: Request, pair: Pair, ids: list[int], reference: list[int])
     if req.drafter == "draft-model":
         return DraftModel(pair.draft.model, pair.target.vocab_size)
     if req.drafter == "prompt-lookup":
-        return PromptLookup(max_ngram=req.ngram)
+        return PromptLookup(max_ngram=req.ngram, costs=pair.target.verify_costs if req.adaptive else None)
     seed = req.sampling.seed or 0
     return Synthetic(len(ids), reference, req.alpha, pair.target.vocab_size, seed=seed)
 
@@ -203,8 +203,9 @@ def run_speculative(pair: Pair, ids: list[int], req: Request, reference: list[in
     """Draft + target; `reference` is the target's own continuation, used only by the synthetic drafter."""
     model, tok = pair.target.model, pair.target.tokenizer
     drafter = make_drafter(req, pair, ids, reference)
+    gamma = MAX_GAMMA if drafter.sizes_own_drafts else req.gamma
     eos = eos_ids(model, tok)
-    events = speculative_decode(model, tok, ids, drafter, req.gamma, req.sampling, req.max_new_tokens, eos, stop,
+    events = speculative_decode(model, tok, ids, drafter, gamma, req.sampling, req.max_new_tokens, eos, stop,
                                 req.adaptive)  # fmt: skip
     return _run("speculative", events, tok)
 

@@ -12,6 +12,7 @@ Loaded models are kept in a small least-recently-used cache keyed by (source, dt
 
 from __future__ import annotations
 
+import functools
 import gc
 import importlib.util
 import os
@@ -27,6 +28,7 @@ import torch
 
 from engine.cpu import pack_linears
 from engine.errors import OutOfMemory, UserError
+from engine.runtime import measure_verify_costs
 
 BUNDLED = "bundled:smollm2-135m-instruct"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -172,6 +174,14 @@ class LoadedModel:
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
+
+    @functools.cached_property
+    def verify_costs(self) -> list[float]:
+        """Measured once per load (about a second on a small CPU): see runtime.measure_verify_costs."""
+        from engine.speculative import MAX_GAMMA
+
+        with torch.inference_mode():
+            return measure_verify_costs(self.model, MAX_GAMMA)
 
     def describe(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")

@@ -38,6 +38,34 @@ def forward(model, token_ids: list[int], cache, keep: int = 0) -> torch.Tensor:
     return out.logits[0]
 
 
+def measure_verify_costs(model, max_draft: int, repeats: int = 2, context: int = 64) -> list[float]:
+    """costs[k]: the time of the target pass that verifies a k-token draft (k + 1 tokens) over a one-token
+    pass, for k = 0..max_draft, on this model and device. Timed at k = 0, 1, 2, 4, 8, 16, ... (best of
+    `repeats`) after a `context`-token prefix, linear in between, and kept non-decreasing: a longer pass
+    never costs less, whatever the noise says."""
+    clock = Clock(model.device)
+    cache = new_cache(model)
+    vocab = model.config.get_text_config().vocab_size
+    forward(model, [i % vocab for i in range(context)], cache, keep=1)
+    sizes = sorted({0, max_draft} | {2**i for i in range(max_draft.bit_length()) if 2**i < max_draft})
+    timed = {}
+    for k in sizes:
+        best = float("inf")
+        for _ in range(repeats):
+            start = clock.now()
+            forward(model, [1] * (k + 1), cache)
+            best = min(best, clock.now() - start)
+            cache.crop(-(k + 1))
+        timed[k] = best
+    costs = []
+    for k in range(max_draft + 1):
+        lo = max(s for s in sizes if s <= k)
+        hi = min(s for s in sizes if s >= k)
+        t = timed[lo] if hi == lo else timed[lo] + (timed[hi] - timed[lo]) * (k - lo) / (hi - lo)
+        costs.append(max(t / timed[0], costs[-1] if costs else 1.0))
+    return costs
+
+
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     """Prompt -> token ids; with chat, wrapped in the model's chat template as one user turn."""
     if chat and getattr(tokenizer, "chat_template", None):

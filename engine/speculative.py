@@ -46,7 +46,8 @@ def speculative_decode(
     """Yield one StepEvent per target pass until EOS, max_new_tokens or `stop`.
 
     With `adaptive`, gamma follows transformers' heuristic schedule: +2 after a fully accepted draft,
-    -1 after a rejection, between 1 and MAX_GAMMA.
+    -1 after a rejection, between 1 and MAX_GAMMA, unless the drafter sizes its own drafts (prompt
+    lookup with measured costs), when gamma is only the cap.
     """
     clock = Clock(target.device)
     generator = cfg.generator(target.device)
@@ -88,7 +89,7 @@ def speculative_decode(
             cache.crop(n - k)
         t3 = clock.now()
 
-        if adaptive and k:
+        if adaptive and k and not drafter.sizes_own_drafts:
             gamma = min(gamma + 2, MAX_GAMMA) if n == k else max(1, gamma - 1)
         elapsed += t3 - t0
         ids += tokens

@@ -8,7 +8,7 @@ import torch
 from engine.baseline import baseline_decode
 from engine.drafters import DraftModel, PromptLookup, Synthetic
 from engine.metrics import summarise
-from engine.runtime import TextStream, forward, new_cache
+from engine.runtime import TextStream, forward, measure_verify_costs, new_cache
 from engine.sampling import SamplingConfig
 from engine.speculative import speculative_decode
 from tests.conftest import EOS
@@ -136,16 +136,49 @@ def test_draft_model_resynchronises_its_cache(llama_pair):
     torch.testing.assert_close(again.probs, fresh.probs, rtol=1e-4, atol=1e-5)
 
 
-def test_prompt_lookup_proposes_what_followed_the_latest_match():
+def test_prompt_lookup_follows_what_most_occurrences_agree_on():
     lookup = PromptLookup(max_ngram=2)
     gen = torch.Generator()
-    assert lookup.propose([1, 2, 3, 4, 9, 1, 2, 5, 6, 1, 2], 3, GREEDY, gen).tokens == [5, 6, 1]
     assert lookup.propose([1, 2, 3], 3, GREEDY, gen).tokens == []
     assert lookup.propose([4, 4, 4], 3, GREEDY, gen).tokens == [4]
-    # the latest match with a full continuation wins over an earlier one...
-    assert lookup.propose([1, 2, 5, 6, 8, 7, 1, 2, 9, 1, 2], 3, GREEDY, gen).tokens == [9, 1, 2]
-    # ...but a latest match cut short by the end of the text loses to one that fills the draft
+    # a tie goes to the earliest occurrence: in an edit or a summary, the source text
+    assert lookup.propose([1, 2, 3, 4, 9, 1, 2, 5, 6, 1, 2], 3, GREEDY, gen).tokens == [3, 4, 9]
+    # two of three occurrences go on with 5; after 1 2 5 they part ways (6 vs 7), and the earlier wins
+    assert lookup.propose([1, 2, 5, 6, 1, 2, 8, 1, 2, 5, 7, 1, 2], 3, GREEDY, gen).tokens == [5, 6, 1]
+    # an occurrence cut short by the end of the text drops out; the others carry the draft on
     assert lookup.propose([1, 2, 5, 6, 8, 3, 1, 2, 1, 2], 3, GREEDY, gen).tokens == [5, 6, 8]
+    # the longest matching n-gram decides before any shorter one
+    assert lookup.propose([7, 2, 9, 9, 1, 2, 3, 3, 1, 2], 2, GREEDY, gen).tokens == [3, 3]
+
+
+def test_prompt_lookup_sizes_drafts_from_costs_and_what_held():
+    gen = torch.Generator()
+    text = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    free = PromptLookup(max_ngram=1, costs=[1.0] * 9)  # verifying costs nothing: draft all there is
+    assert free.propose(text + [10], 8, GREEDY, gen).tokens == text[1:9]
+    dear = [1.0] + [2.0] * 8  # any draft costs one more step
+    assert PromptLookup(3, costs=dear).propose(text + [10], 8, GREEDY, gen).tokens == []  # a bare match: no
+    assert PromptLookup(3, costs=dear).propose(text + [10, 11, 12], 8, GREEDY, gen).tokens == text[3:] + [10]
+
+    lookup = PromptLookup(3, costs=[1.0] + [3.5] * 8)
+    assert lookup.propose(text + [10, 11, 12], 8, GREEDY, gen).tokens  # a 3-gram match is worth it
+    seen = text + [10, 11, 12, 99, 10, 11, 12]  # the target kept none of it; the same 3-gram comes again
+    assert lookup.propose(seen, 8, GREEDY, gen).tokens == []  # after that miss, not worth a pass
+    # while it drafts nothing its evidence fades, until the match is worth a try again
+    quiet = 1
+    while not lookup.propose(seen, 8, GREEDY, gen).tokens:
+        quiet += 1
+    assert 10 < quiet < 60
+
+    # drafts that held in full make it draft where the prior alone would not
+    learnt = PromptLookup(max_ngram=1, costs=[1.0] * 9)
+    seen = text + [10]
+    for _ in range(3):
+        # all held, the target added 19, and the text goes back to the start of the copy
+        seen += learnt.propose(seen, 8, GREEDY, gen).tokens + [19, 10]
+    assert learnt.first[1] == [pytest.approx(1 + learnt.MEMORY), 0.0]  # two scored so far, the older faded
+    learnt.costs = [1.0] + [2.5] * 8
+    assert learnt.propose(seen, 8, GREEDY, gen).tokens == text[1:9]
 
 
 def test_events_carry_pieces_that_add_up_to_the_text(llama_pair):
@@ -199,7 +232,10 @@ def test_adaptive_gamma_changes_draft_length_and_stays_lossless(llama_pair):
         steps = list(speculative_decode(target, tok, ids, oracle, 2, GREEDY, 60, set(), adaptive=True))
     lengths = [len(s.drafted) for s in steps[1:]]
     assert lengths[:4] == [2, 4, 6, 8]  # always fully accepted: +2 each step
-    for drafter in (DraftModel(draft, 384), PromptLookup()):
+    with torch.inference_mode():
+        costs = measure_verify_costs(target, 16)
+    assert len(costs) == 17 and costs[0] == 1.0 and costs == sorted(costs)
+    for drafter in (DraftModel(draft, 384), PromptLookup(), PromptLookup(costs=costs)):
         with torch.inference_mode():
             steps = list(speculative_decode(target, tok, ids, drafter, 4, GREEDY, 60, set(), adaptive=True))
         assert summarise("s", steps, "").token_ids == expected

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.baseline import baseline_decode
-from engine.drafters import DraftModel
+from engine.drafters import DraftModel, PromptLookup
 from engine.runtime import forward, new_cache
 from engine.sampling import SamplingConfig, logits_to_probs, verify
 from engine.speculative import speculative_decode
@@ -110,26 +110,45 @@ def exact_marginals(model, prompt, cfg, length):
     return marginals
 
 
-@pytest.mark.parametrize("cfg", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=5, top_p=0.9)])
-def test_sampled_speculative_run_matches_target_distribution(cfg):
-    target = tiny_llama(vocab_size=8, layers=1, seed=5)
-    draft = noisy_copy(target, scale=0.8, seed=6)
-    tok, prompt, length, runs = LetterTokenizer(), [1, 2, 3], 3, 1500
-    exact = exact_marginals(target, prompt, cfg, length)
-    spec = torch.zeros(length, 8)
-    base = torch.zeros(length, 8)
+def sampled_counts(target, make_drafter, gamma, cfg, prompt, length, runs=1500):
+    """Token counts per position over `runs` seeds, speculative and baseline, and (accepted, drafted)."""
+    tok, vocab = LetterTokenizer(), target.config.vocab_size
+    spec, base = torch.zeros(length, vocab), torch.zeros(length, vocab)
     accepted = drafted = 0
     with torch.inference_mode():
         for seed in range(runs):
             c = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p, seed)
-            steps = list(speculative_decode(target, tok, prompt, DraftModel(draft, 8), 2, c, length, set()))
+            steps = list(speculative_decode(target, tok, prompt, make_drafter(), gamma, c, length, set()))
             for i, t in enumerate(t for s in steps for t in s.tokens):
                 spec[i, t] += 1
             accepted += sum(s.accepted for s in steps)
             drafted += sum(len(s.drafted) for s in steps)
             for i, t in enumerate(t for s in baseline_decode(target, tok, prompt, c, length, set()) for t in s.tokens):
                 base[i, t] += 1
+    return spec, base, accepted, drafted
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_k=5, top_p=0.9)])
+def test_sampled_speculative_run_matches_target_distribution(cfg):
+    target = tiny_llama(vocab_size=8, layers=1, seed=5)
+    draft = noisy_copy(target, scale=0.8, seed=6)
+    prompt, length = [1, 2, 3], 3
+    exact = exact_marginals(target, prompt, cfg, length)
+    spec, base, accepted, drafted = sampled_counts(target, lambda: DraftModel(draft, 8), 2, cfg, prompt, length)
     assert 0.2 < accepted / drafted < 0.95  # both branches of the rule were exercised
+    for i in range(length):
+        assert_matches(spec[i], exact[i], slack=0.01)
+        assert_matches(base[i], exact[i], slack=0.01)
+
+
+def test_prompt_lookup_sizing_its_own_drafts_keeps_the_target_distribution():
+    """Draft lengths chosen from what held so far depend on the past only, so sampling stays exact."""
+    target = tiny_llama(vocab_size=8, layers=1, seed=5)
+    cfg, prompt, length = SamplingConfig(temperature=1.0), [1, 2, 3, 1, 2, 4, 1, 2], 4
+    exact = exact_marginals(target, prompt, cfg, length)
+    costs = [1.0] + [1.3] * 4
+    spec, base, accepted, drafted = sampled_counts(target, lambda: PromptLookup(2, costs=costs), 4, cfg, prompt, length)
+    assert 0 < accepted < drafted
     for i in range(length):
         assert_matches(spec[i], exact[i], slack=0.01)
         assert_matches(base[i], exact[i], slack=0.01)
