@@ -55,7 +55,12 @@ def build_layout() -> SimpleNamespace:
                     1, max_new_tokens_cap(), value=128, step=1, label="max new tokens", elem_id="max-new-tokens"
                 )
                 ui.gamma = gr.Slider(1, MAX_GAMMA, value=default["gamma"], step=1, label="γ: draft tokens per step")
-                ui.adaptive = gr.Checkbox(False, label="adaptive γ: +2 after a fully accepted draft, -1 after a miss")
+                ui.adaptive = gr.Checkbox(
+                    False,
+                    label="adaptive γ (up to 16)",
+                    info="prompt lookup sizes each draft from the measured cost of a verify pass and what held so "
+                    "far; a draft model goes +2 after a fully accepted draft, -1 after a miss",
+                )
                 ui.seed = gr.Number(0, precision=0, label="seed (-1 = random)")
                 ui.chat = gr.Checkbox(True, label="chat template (when the target has one)")
                 ui.dtype = gr.Dropdown(["auto", "float32", "bfloat16", "float16"], value="auto", label="dtype")

@@ -35,7 +35,12 @@ def add_sampling_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template")
     p.add_argument("--ngram", type=int, default=3, help="prompt lookup: longest n-gram to match")
     p.add_argument("--alpha", type=float, default=0.8, help="synthetic drafter: acceptance probability")
-    p.add_argument("--adaptive", action="store_true", help="adapt gamma: +2 after full acceptance, -1 after a miss")
+    p.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="draft length per step, up to 16: prompt lookup sizes each draft from measured verify cost and "
+        "what held so far; a draft model goes +2 after full acceptance, -1 after a miss",
+    )
 
 
 def parser() -> argparse.ArgumentParser:

@@ -49,7 +49,7 @@ class Request:
     device: str = "auto"
     ngram: int = 3  # prompt lookup: longest n-gram matched
     alpha: float = 0.8  # synthetic drafter: probability of proposing the target's own token
-    adaptive: bool = False  # gamma grows after full acceptance and shrinks after a rejection
+    adaptive: bool = False  # draft length per step: prompt lookup sizes its own drafts, a draft model follows +2/-1
     warmup: bool = True
 
     def validate(self) -> "Request":
