@@ -29,6 +29,7 @@ import torch
 from engine.cpu import pack_linears
 from engine.errors import OutOfMemory, UserError
 from engine.runtime import measure_verify_costs
+from engine.speculative import MAX_GAMMA
 
 BUNDLED = "bundled:smollm2-135m-instruct"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -177,9 +178,7 @@ class LoadedModel:
 
     @functools.cached_property
     def verify_costs(self) -> list[float]:
-        """Measured once per load (about a second on a small CPU): see runtime.measure_verify_costs."""
-        from engine.speculative import MAX_GAMMA
-
+        """Measured once per load (about 2 s on a 2-core CPU): see runtime.measure_verify_costs."""
         with torch.inference_mode():
             return measure_verify_costs(self.model, MAX_GAMMA)
 

@@ -174,3 +174,14 @@ def test_synthetic_drafter_in_the_loop_measures_alpha(llama_pair):
     assert abs(m.alpha - 0.6) < 4.5 * math.sqrt(0.24 / tested)
     assert m.acceptance_rate < m.alpha  # untested tokens after a rejection count against the plain rate
     assert result.token_ids == reference
+
+
+def test_adaptive_prompt_lookup_drafts_past_gamma_and_stays_identical(base):
+    from engine.compare import compare
+
+    req = Request(**{**vars(base), "prompt": "abc abc abc abc abc", "drafter": "prompt-lookup", "adaptive": True,
+                     "gamma": 2, "max_new_tokens": 40})  # fmt: skip
+    c = compare(req)
+    assert c.identical
+    lengths = [len(s.drafted) for s in c.speculative.steps]
+    assert max(lengths) > req.gamma  # gamma is where a schedule starts; this drafter sizes its own drafts
