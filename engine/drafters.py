@@ -135,11 +135,12 @@ class PromptLookup(Drafter):
         self.last: tuple[int, int, list[int]] | None = None  # (position, n-gram size, tokens) of the last draft
 
     def propose(self, ids, gamma, cfg, generator) -> Draft:
-        self._learn(ids)
         tokens, n = self._lookup(ids, gamma)
-        if tokens and self.costs is not None:
-            tokens = tokens[: self._best_length(n, len(tokens))]
-        self.last = (len(ids), n, tokens) if tokens else None
+        if self.sizes_own_drafts:  # only then is there anything to learn or to cut
+            self._learn(ids)
+            if tokens:
+                tokens = tokens[: self._best_length(n, len(tokens))]
+            self.last = (len(ids), n, tokens) if tokens else None
         return Draft(tokens)
 
     def _lookup(self, ids: list[int], gamma: int) -> tuple[list[int], int]:
