@@ -6,6 +6,11 @@ made the bundled model's forward passes about 1.4x faster on our 2-core test mac
 for a verify pass alike (numbers in the README). This is what torch.compile's CPU "freezing" does,
 without a compile step. Results match nn.Linear to float32 rounding (~1e-5).
 
+The weight is packed without a batch-size hint. Packed for one row (hint 1), oneDNN runs a verify pass
+of 2-5 rows ~1.5x slower than a one-row pass, which eats most of what speculation saves on a CPU. Packed
+without a hint, the one-row pass is no slower and a 5-row pass costs ~1.2x one row, measured over the
+bundled model's 211 weight shapes streamed from memory.
+
 Used for float32 models on CPU only; SPECARENA_CPU_PACK=0 turns it off. Any failure leaves the
 model as it was.
 """
@@ -23,7 +28,7 @@ class PackedLinear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())  # no batch hint: see above
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
