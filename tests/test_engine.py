@@ -258,3 +258,16 @@ def test_packed_cpu_linears_match_stock_layers(model_dirs, llama_pair):
     tok = packed.tokenizer
     expected = run_baseline(plain.model, tok, ids, 30).token_ids
     assert run_spec(packed.model, tok, ids, PromptLookup(), 4, 30).token_ids == expected
+
+
+def test_packed_linear_matches_for_every_row_count():
+    """The weight is packed once, with no batch hint, and serves a decode step, a verify pass and a prefill."""
+    from engine.cpu import PackedLinear
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 80)
+    packed = PackedLinear(layer)
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 5, 17, 64):
+            x = torch.randn(1, rows, 48)
+            torch.testing.assert_close(packed(x), layer(x), rtol=1e-5, atol=1e-5)
