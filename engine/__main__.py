@@ -65,6 +65,12 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--compare", choices=["hf"], help="hf: HF generate() and assisted generation vs ours")
     bench.add_argument("--json", metavar="PATH", help="write the whole report as JSON")
     bench.add_argument("--report", metavar="DIR", help="write report.json, report.csv and settings.md")
+    for p in (run, bench):
+        p.add_argument(
+            "--compile", action="store_true",
+            help="CUDA only: torch.compile the decode and verify passes (CUDA graphs over a static KV cache); "
+            "the warm-up pays for compiling",
+        )  # fmt: skip
 
     doctor = sub.add_parser("doctor", help="check a pair from configs and tokenizers, before loading weights")
     add_pair_args(doctor)
@@ -93,6 +99,7 @@ def request_from(args: argparse.Namespace, **overrides):
         ngram=args.ngram,
         alpha=args.alpha,
         adaptive=args.adaptive,
+        compile=args.compile,
     )
     fields.update(overrides)
     return Request(**fields)

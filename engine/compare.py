@@ -22,7 +22,7 @@ from engine.baseline import baseline_decode
 from engine.drafters import Drafter, DraftModel, PromptLookup, Synthetic
 from engine.errors import OutOfMemory, UserError
 from engine.metrics import RunResult, StepEvent, summarise
-from engine.models import BUNDLED, MODELS, LoadedModel, free_memory
+from engine.models import BUNDLED, MODELS, LoadedModel, free_memory, resolve_device
 from engine.runtime import encode_prompt, eos_ids
 from engine.sampling import SamplingConfig
 from engine.speculative import MAX_GAMMA, speculative_decode
@@ -50,6 +50,7 @@ class Request:
     ngram: int = 3  # prompt lookup: longest n-gram matched
     alpha: float = 0.8  # synthetic drafter: probability of proposing the target's own token
     adaptive: bool = False  # draft length per step: prompt lookup sizes its own drafts, a draft model follows +2/-1
+    compile: bool = False  # CUDA only: torch.compile with CUDA graphs over a static KV cache
     warmup: bool = True
 
     def validate(self) -> "Request":
@@ -68,6 +69,11 @@ class Request:
             raise UserError(f"prompt-lookup n-gram size {self.ngram} is out of range: use 1 to 8.")
         if not 0 <= self.alpha <= 1:
             raise UserError(f"synthetic alpha {self.alpha} is out of range: use 0 to 1.")
+        if self.compile and resolve_device(self.device).type != "cuda":
+            raise UserError(
+                "compile needs a CUDA GPU: it replays decode and verify passes as CUDA graphs. On a CPU, run "
+                "without it (the packed linear layers are the CPU's fast path)."
+            )
         self.sampling.validate()
         return self
 
@@ -151,12 +157,12 @@ class Pair:
 def load_pair(req: Request) -> Iterator[Update | Pair]:
     """Load target then draft, reporting each; the last item is the Pair."""
     yield Update("status", message=f"loading target {req.target}")
-    target = MODELS.get(req.target, req.dtype, req.device)
+    target = MODELS.get(req.target, req.dtype, req.device, compile=req.compile)
     yield Update("status", message="target " + target.describe())
     draft = None
     if req.drafter == "draft-model":
         yield Update("status", message=f"loading draft {req.draft}")
-        draft = MODELS.get(req.draft, req.dtype, req.device)
+        draft = MODELS.get(req.draft, req.dtype, req.device, compile=req.compile)
         check_vocab(target, draft)
         yield Update("status", message="draft " + draft.describe())
     yield Pair(target, draft)
@@ -176,7 +182,7 @@ def prompt_ids(req: Request, pair: Pair) -> list[int]:
 
 def make_drafter(req: Request, pair: Pair, ids: list[int], reference: list[int]) -> Drafter:
     if req.drafter == "draft-model":
-        return DraftModel(pair.draft.model, pair.target.vocab_size)
+        return DraftModel(pair.draft.model, pair.target.vocab_size, len(ids) + req.max_new_tokens + MAX_GAMMA)
     if req.drafter == "prompt-lookup":
         return PromptLookup(max_ngram=req.ngram, costs=pair.target.verify_costs if req.adaptive else None)
     seed = req.sampling.seed or 0

@@ -55,9 +55,10 @@ class DraftModel(Drafter):
 
     name = "draft-model"
 
-    def __init__(self, model, vocab_size: int):
+    def __init__(self, model, vocab_size: int, max_len: int | None = None):
         self.model = model
         self.vocab_size = vocab_size  # the target's; q is cut or zero-padded to it
+        self.max_len = max_len  # tokens the cache must hold: needed up front by a compiled model's static cache
         self.reset()
 
     def reset(self) -> None:
@@ -67,7 +68,7 @@ class DraftModel(Drafter):
     def _sync(self, ids: list[int]) -> list[int]:
         """Crop the cache to its longest still-valid prefix; return the ids to feed next (never empty)."""
         if self.cache is None:
-            self.cache = new_cache(self.model)
+            self.cache = new_cache(self.model, self.max_len)
         keep = min(_common_prefix(self.fed, ids), len(ids) - 1)
         if len(self.fed) > keep:
             self.cache.crop(keep - len(self.fed))

@@ -28,7 +28,7 @@ import torch
 
 from engine.cpu import pack_linears
 from engine.errors import OutOfMemory, UserError
-from engine.runtime import measure_verify_costs
+from engine.runtime import compile_decoding, measure_verify_costs
 from engine.speculative import MAX_GAMMA
 
 BUNDLED = "bundled:smollm2-135m-instruct"
@@ -163,6 +163,7 @@ class LoadedModel:
     params: int = field(default=0)
     vocab_size: int = field(default=0)  # rows of the output layer (may exceed the tokenizer's by padding)
     packed_linears: int = field(default=0)  # linear layers running on oneDNN-packed weights (engine.cpu)
+    compiled: bool = field(default=False)  # decode and verify passes run through torch.compile
 
     @property
     def context_length(self) -> int | None:
@@ -184,9 +185,9 @@ class LoadedModel:
 
     def describe(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")
-        packed = ", packed linears" if self.packed_linears else ""
+        extras = (", packed linears" if self.packed_linears else "") + (", compiled" if self.compiled else "")
         return (
-            f"{self.spec}: {self.params / 1e6:.1f}M params, {dtype} on {self.device}{packed} "
+            f"{self.spec}: {self.params / 1e6:.1f}M params, {dtype} on {self.device}{extras} "
             f"(loaded in {self.load_s:.1f}s)"
         )
 
@@ -214,7 +215,9 @@ def _load_failure(source: Source, exc: Exception) -> str:
     return f"could not load the model in {source.spec!r} ({text}). Check that the folder holds a complete model."
 
 
-def _load(spec: str, device: torch.device, dtype: torch.dtype, progress: Progress, pack: bool) -> LoadedModel:
+def _load(
+    spec: str, device: torch.device, dtype: torch.dtype, progress: Progress, pack: bool, compile: bool = False
+) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve(spec, progress)
@@ -243,7 +246,10 @@ def _load(spec: str, device: torch.device, dtype: torch.dtype, progress: Progres
     params = sum(p.numel() for p in model.parameters())
     vocab = int(model.get_output_embeddings().weight.shape[0])
     packed = pack_linears(model) if pack else 0
-    return LoadedModel(source.spec, model, tokenizer, device, dtype, time.perf_counter() - start, params, vocab, packed)
+    if compile:
+        compile_decoding(model)
+    took = time.perf_counter() - start
+    return LoadedModel(source.spec, model, tokenizer, device, dtype, took, params, vocab, packed, compile)
 
 
 class ModelCache:
@@ -258,12 +264,14 @@ class ModelCache:
         self._lock = threading.Lock()
 
     def get(
-        self, spec: str, dtype: str = "auto", device: str = "auto", progress: Progress = _quiet, pack: bool = True
+        self, spec: str, dtype: str = "auto", device: str = "auto", progress: Progress = _quiet, pack: bool = True,
+        compile: bool = False,
     ) -> LoadedModel:
-        """A loaded model; pack=False keeps stock nn.Linear layers (the reference HF users run)."""
+        """A loaded model; pack=False keeps stock nn.Linear layers (the reference HF users run), compile=True
+        runs its decode and verify passes through torch.compile (runtime.compile_decoding)."""
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
-        key = ((spec or "").strip(), dt, str(dev), pack)
+        key = ((spec or "").strip(), dt, str(dev), pack, compile)
         with self._lock:
             if key in self._models:
                 self._models.move_to_end(key)
@@ -271,13 +279,13 @@ class ModelCache:
             while len(self._models) >= self.max_models:
                 self._evict_oldest()
             try:
-                loaded = _load(key[0], dev, dt, progress, pack)
+                loaded = _load(key[0], dev, dt, progress, pack, compile)
             except OutOfMemory:
                 if not self._models:
                     raise
                 self._models.clear()
                 free_memory()
-                loaded = _load(key[0], dev, dt, progress, pack)
+                loaded = _load(key[0], dev, dt, progress, pack, compile)
             self._models[key] = loaded
             while self.budget and len(self._models) > 1 and self.weight_bytes() > self.budget:
                 self._evict_oldest()

@@ -25,36 +25,68 @@ class Clock:
         return time.perf_counter()
 
 
-def new_cache(model):
-    from transformers import DynamicCache
+# A compiled model (compile_decoding) runs its short passes at one of these lengths, padded up, so that
+# torch.compile builds a handful of graphs rather than one per draft length. Longer inputs run eagerly.
+BUCKETS = (1, 2, 4, 8, 16, 32)
 
-    return DynamicCache(config=model.config)
+
+def compile_decoding(model, backend: str = "inductor", mode: str | None = "reduce-overhead") -> None:
+    """Run this model's decode and verify passes through torch.compile over a static KV cache (with the
+    default mode on CUDA: CUDA graphs, which remove the per-kernel launch cost of small batches). Each
+    bucket compiles on its first use; the warm-up run pays for the common ones."""
+    # dynamo counts recompilations per code object, and every model of a class shares its forward's: leave
+    # room for all buckets of a target and its draft, or it falls back to eager without a word
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(BUCKETS))
+    model.compiled_step = torch.compile(model.forward, backend=backend, mode=mode, dynamic=False)
+
+
+def new_cache(model, max_len: int | None = None):
+    """A DynamicCache; for a compiled model, a StaticCache with room for max_len tokens plus one padded pass
+    (a verify pass, with its draft, fits in that too). CUDA graphs need the cache's addresses to stay put,
+    so it cannot grow."""
+    from transformers import DynamicCache, StaticCache
+
+    if getattr(model, "compiled_step", None) is None:
+        return DynamicCache(config=model.config)
+    if max_len is None:
+        raise ValueError("a compiled model needs its cache length up front")
+    return StaticCache(config=model.config, max_cache_len=max_len + BUCKETS[-1])
 
 
 def forward(model, token_ids: list[int], cache, keep: int = 0) -> torch.Tensor:
     """Feed token_ids after what `cache` holds; return logits (n, V), or the last `keep` rows (keep, V)."""
-    ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)  # (1, n)
-    out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=keep)
-    return out.logits[0]
+    n = len(token_ids)
+    step = getattr(model, "compiled_step", None)
+    if step is None or n > BUCKETS[-1]:
+        ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)  # (1, n)
+        return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=keep).logits[0]
+    size = next(b for b in BUCKETS if b >= n)
+    ids = torch.tensor([token_ids + token_ids[-1:] * (size - n)], dtype=torch.long, device=model.device)
+    logits = step(input_ids=ids, cache=cache, use_cache=True).logits[0, :n]  # causal: padding changes nothing
+    if size > n:
+        cache.crop(n - size)  # drop the padding's keys and values
+    return logits[n - keep :].clone() if keep else logits.clone()  # a CUDA graph reuses its output buffer
 
 
 def measure_verify_costs(model, max_draft: int, repeats: int = 2, context: int = 64) -> list[float]:
     """costs[k]: the time of the target pass that verifies a k-token draft (k + 1 tokens) over a one-token
     pass, for k = 0..max_draft, on this model and device. Timed at k = 0, 1, 2, 4, 8, 16, ... (best of
     `repeats`) after a `context`-token prefix, linear in between, and kept non-decreasing: a longer pass
-    never costs less, whatever the noise says."""
+    never costs less, whatever the noise says. A compiled model runs each size twice first: the first
+    call compiles, the second records the CUDA graph."""
     clock = Clock(model.device)
-    cache = new_cache(model)
+    untimed = 2 if getattr(model, "compiled_step", None) is not None else 0
+    cache = new_cache(model, context + max_draft + 1)
     vocab = model.config.get_text_config().vocab_size
     forward(model, [i % vocab for i in range(context)], cache, keep=1)
     sizes = sorted({0, max_draft} | {2**i for i in range(max_draft.bit_length()) if 2**i < max_draft})
     timed = {}
     for k in sizes:
         best = float("inf")
-        for _ in range(repeats):
+        for i in range(untimed + repeats):
             start = clock.now()
             forward(model, [1] * (k + 1), cache)
-            best = min(best, clock.now() - start)
+            best = min(best, clock.now() - start) if i >= untimed else best
             cache.crop(-(k + 1))
         timed[k] = best
     costs = []
@@ -142,7 +174,7 @@ def emit(stream: TextStream, tokens: list[int], eos: set[int], room: int) -> tup
 def prefill(model, prompt_ids, cfg, generator, stream, eos, max_new_tokens, clock) -> tuple[StepEvent, object]:
     """Encode the prompt into a fresh cache and choose the first token (both loops start this way)."""
     start = clock.now()
-    cache = new_cache(model)
+    cache = new_cache(model, len(prompt_ids) + max_new_tokens)
     logits = forward(model, prompt_ids, cache, keep=1)[-1]  # (V,)
     token, p = choose(logits, cfg, generator)
     forwarded = clock.now()
