@@ -276,7 +276,7 @@ def test_packed_linear_matches_for_every_row_count():
 def test_compiled_decoding_is_lossless(llama_pair):
     """The compiled path (static KV cache, passes padded up to a bucket, the padding cropped) gives the plain
     model's ids, for prefills short and long, the baseline, a draft model and self-sized prompt lookup drafts
-    of every bucket. Dynamo traces it with the eager backend: inductor and CUDA graphs need a GPU."""
+    of many lengths. Dynamo traces it with the eager backend: inductor and CUDA graphs need a GPU."""
     import copy
 
     from transformers import StaticCache
