@@ -16,8 +16,12 @@ from engine.models import BUNDLED
 
 
 def add_pair_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=BUNDLED, help=f"Hub id, local folder or {BUNDLED} (default)")
-    p.add_argument("--draft", help="draft model (same vocabulary as the target); implies --drafter draft-model")
+    p.add_argument("--target", default=BUNDLED, help=f"Hub id, local folder, {BUNDLED} (default) or random:<shape>")
+    p.add_argument(
+        "--draft",
+        help="draft model (same vocabulary as the target); implies --drafter draft-model. With --drafter synthetic, "
+        "its passes run for their cost and its tokens are not used",
+    )
     p.add_argument("--drafter", choices=["draft-model", "prompt-lookup", "synthetic"], help="default: prompt-lookup")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")

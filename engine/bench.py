@@ -130,8 +130,8 @@ class Session:
         self._warm: set[tuple] = set()
 
     def with_draft(self, drafter: str) -> "Session":
-        """The draft model is loaded only if a draft-model cell is asked for."""
-        if drafter == "draft-model" and self.pair.draft is None:
+        """The draft model is loaded only if a cell that uses it is asked for."""
+        if replace(self.base, drafter=drafter).uses_draft and self.pair.draft is None:
             self.pair = pair_of(replace(self.base, drafter=drafter))
         return self
 
@@ -174,7 +174,7 @@ class Session:
 
 def _cell_request(base: Request, drafter: str, gamma: int, temperature: float, prompt: str) -> Request:
     sampling = replace(base.sampling, temperature=temperature)
-    draft = base.draft if drafter == "draft-model" else None
+    draft = base.draft if drafter in ("draft-model", "synthetic") else None  # synthetic: paced by the draft
     return replace(base, drafter=drafter, draft=draft, gamma=gamma, sampling=sampling, prompt=prompt).validate()
 
 

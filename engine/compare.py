@@ -39,7 +39,7 @@ def max_new_tokens_cap() -> int:
 class Request:
     prompt: str
     target: str = BUNDLED
-    draft: str | None = None  # model spec, for drafter == "draft-model"
+    draft: str | None = None  # model spec: the draft-model drafter's, or the one whose cost the synthetic one pays
     drafter: str = "prompt-lookup"
     gamma: int = 4
     max_new_tokens: int = 128
@@ -52,6 +52,11 @@ class Request:
     adaptive: bool = False  # draft length per step: prompt lookup sizes its own drafts, a draft model follows +2/-1
     compile: bool = False  # CUDA only: torch.compile with CUDA graphs over a static KV cache
     warmup: bool = True
+
+    @property
+    def uses_draft(self) -> bool:
+        """A draft model is loaded: to draft, or to pace the synthetic drafter at its real cost."""
+        return self.drafter == "draft-model" or (self.drafter == "synthetic" and bool((self.draft or "").strip()))
 
     def validate(self) -> "Request":
         if not self.prompt or not self.prompt.strip():
@@ -160,7 +165,7 @@ def load_pair(req: Request) -> Iterator[Update | Pair]:
     target = MODELS.get(req.target, req.dtype, req.device, compile=req.compile)
     yield Update("status", message="target " + target.describe())
     draft = None
-    if req.drafter == "draft-model":
+    if req.uses_draft:
         yield Update("status", message=f"loading draft {req.draft}")
         draft = MODELS.get(req.draft, req.dtype, req.device, compile=req.compile)
         check_vocab(target, draft)
@@ -181,12 +186,15 @@ def prompt_ids(req: Request, pair: Pair) -> list[int]:
 
 
 def make_drafter(req: Request, pair: Pair, ids: list[int], reference: list[int]) -> Drafter:
+    draft = None
+    if req.uses_draft:
+        draft = DraftModel(pair.draft.model, pair.target.vocab_size, len(ids) + req.max_new_tokens + MAX_GAMMA)
     if req.drafter == "draft-model":
-        return DraftModel(pair.draft.model, pair.target.vocab_size, len(ids) + req.max_new_tokens + MAX_GAMMA)
+        return draft
     if req.drafter == "prompt-lookup":
         return PromptLookup(max_ngram=req.ngram, costs=pair.target.verify_costs if req.adaptive else None)
     seed = req.sampling.seed or 0
-    return Synthetic(len(ids), reference, req.alpha, pair.target.vocab_size, seed=seed)
+    return Synthetic(len(ids), reference, req.alpha, pair.target.vocab_size, seed=seed, pace=draft)
 
 
 def _run(mode: str, events: Iterator[StepEvent], tokenizer) -> Iterator[Update]:

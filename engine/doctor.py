@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 import psutil
 import torch
 
+from engine import random_models
 from engine.models import (
     context_length,
     load_tokenizer,
@@ -36,6 +37,8 @@ def _config(spec: str):
     from transformers import AutoConfig
 
     source = resolve(spec)
+    if source.shape:
+        return random_models.config(source.shape)
     return AutoConfig.from_pretrained(source.location, revision=source.revision, trust_remote_code=trust_remote_code())
 
 

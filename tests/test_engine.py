@@ -297,4 +297,3 @@ def test_compiled_decoding_is_lossless(llama_pair):
         sized = run_spec(target, tok, ids, PromptLookup(costs=costs), 16, 40)
         assert sized.token_ids == expected
     assert len({len(s.drafted) for s in sized.steps if s.drafted}) > 1
-
