@@ -129,10 +129,10 @@ class Session:
         self._references: dict[tuple, list[int]] = {}
         self._warm: set[tuple] = set()
 
-    def with_draft(self, drafter: str) -> "Session":
-        """The draft model is loaded only if a cell that uses it is asked for."""
-        if replace(self.base, drafter=drafter).uses_draft and self.pair.draft is None:
-            self.pair = pair_of(replace(self.base, drafter=drafter))
+    def with_draft(self, req: Request) -> "Session":
+        """The draft model is loaded only once a cell that uses it comes up (its request names it)."""
+        if req.uses_draft and self.pair.draft is None:
+            self.pair = pair_of(req)
         return self
 
     def check_stop(self) -> None:
@@ -149,7 +149,7 @@ class Session:
 
     def ab(self, req: Request, prompt_index: int, repeats: int) -> list[Sample]:
         """`repeats` A/B pairs on one prompt, alternating which side runs first."""
-        self.with_draft(req.drafter)
+        self.with_draft(req)
         ids = prompt_ids(req, self.pair)
         reference = self.reference(req.prompt, ids) if req.drafter == "synthetic" else []
         key = (req.prompt, req.drafter, req.gamma, req.sampling.temperature)

@@ -70,7 +70,7 @@ def compare_hf(base: Request, prompts: list[str], repeats: int = 3, progress: Pr
     """Speeds of the four contenders, their ratios (median, min, max) and ours measured vs predicted."""
     if base.drafter == "synthetic":
         raise UserError("HF has no synthetic drafter: compare with --drafter prompt-lookup or a --draft model.")
-    session = Session(replace(base, prompt=prompts[0]), progress, stop).with_draft(base.drafter)
+    session = Session(replace(base, prompt=prompts[0]), progress, stop)
     rows, total = [], len(prompts) * repeats
     for i, prompt in enumerate(prompts):
         req = replace(base, prompt=prompt).validate()

@@ -43,6 +43,13 @@ def test_sweep_returns_the_complete_grid(base):
     assert data["environment"]["torch"] == torch.__version__
 
 
+def test_sweep_loads_the_draft_when_its_first_cell_comes_up(base):
+    """A sweep that starts with a drafter needing no model loads the draft when a cell that uses it comes up."""
+    data = bench.sweep(base, {"p": ["abc abc"]}, [2], [0.0], ["prompt-lookup", "draft-model", "synthetic"], repeats=1)
+    assert [c["drafter"] for c in data["cells"]] == ["prompt-lookup", "draft-model", "synthetic"]
+    assert all(c["all_identical"] for c in data["cells"])
+
+
 def test_sweep_rejects_bad_settings_before_measuring(base):
     from engine.errors import UserError
 
