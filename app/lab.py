@@ -28,8 +28,9 @@ HELP = """Measure whether speculation pays for this pair **on this machine**: ev
 (baseline and speculative one after the other, order alternating, after a warm-up), reported as the median
 with its min–max spread. The predictor fits α per draft position, the draft cost c and the verify cost from
 these runs and draws the expected speedup over γ. Pick one γ, one temperature and one drafter with several
-categories to run the task suite. The camera icon on a chart saves it as PNG; the report's charts.html holds
-both charts and opens offline."""
+categories to run the task suite. With the draft model in the sweep, synthetic α cells run its passes too,
+so they show what this draft would reach at that α. The camera icon on a chart saves it as PNG; the
+report's charts.html holds both charts and opens offline."""
 
 CELL_COLUMNS = ["drafter", "γ", "temperature", "speedup", "min", "max", "acceptance", "tok/s base", "tok/s spec",
                 "identical"]  # fmt: skip
