@@ -88,7 +88,7 @@ def build_request(
 
     seed = None if seed in (None, "") or float(seed) < 0 else whole(seed, "seed")
     sampling = SamplingConfig(float(temperature), whole(top_k, "top-k"), float(top_p), seed)
-    uses_draft = drafter == "draft-model" and (draft or "").strip()
+    uses_draft = drafter in ("draft-model", "synthetic") and (draft or "").strip()  # synthetic: pays its passes
     return Request(
         prompt=prompt or "",
         target=policy.app_model(target),
@@ -273,7 +273,7 @@ def check_pair(target, drafter, draft, dtype, max_new_tokens):
     from engine.doctor import diagnose, markdown
 
     try:
-        use_draft = drafter == "draft-model" and (draft or "").strip()
+        use_draft = drafter in ("draft-model", "synthetic") and (draft or "").strip()
         spec_t = policy.app_model(target)
         spec_d = policy.app_model(draft) if use_draft else None
         return markdown(diagnose(spec_t, spec_d, dtype or "auto", tokens=int(max_new_tokens) + 1024))

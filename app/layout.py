@@ -42,9 +42,14 @@ def build_layout() -> SimpleNamespace:
         with gr.Column(scale=1, min_width=300):
             ui.preset = gr.Dropdown([p["name"] for p in presets.pairs()], value=default["name"], label="preset")
             ui.preset_note = gr.Markdown(f"{default['note']}  \n*Measured on:* {default['measured_on']}")
-            ui.target = gr.Textbox(BUNDLED, label="target model", info="Hub id (org/name[@rev]), folder or bundled")
+            ui.target = gr.Textbox(
+                BUNDLED, label="target model", info="Hub id (org/name[@rev]), folder, bundled or random:<shape>"
+            )
             ui.drafter = gr.Radio(DRAFTERS, value=default["drafter"], label="drafter")
-            ui.draft = gr.Textbox(default["draft"], label="draft model", info="same vocabulary as the target")
+            ui.draft = gr.Textbox(
+                default["draft"], label="draft model",
+                info="same vocabulary as the target; with synthetic α, its passes run for their cost",
+            )  # fmt: skip
             ui.check = gr.Button("Check pair", size="sm", elem_id="check-pair")
             ui.doctor = gr.Markdown(elem_id="doctor")
             with gr.Accordion("parameters", open=False, elem_id="parameters"):

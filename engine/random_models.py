@@ -9,7 +9,9 @@ with the synthetic drafter, which proposes the target's own tokens with probabil
 model too, it runs the draft's forward passes so that drafting costs what it would. What they measure is
 the engine on this device at these sizes: tokens/s, verify cost, memory, the speedup a given alpha buys.
 
-The tokenizer maps each printable ASCII character to its own id and shows every other id as ‹id›.
+The tokenizer maps each printable ASCII character to its own id and shows every other id as ‹id›. A shape
+is refused before anything is allocated when it does not fit the device's free memory, and on a CPU when
+it has more than 2B parameters (a token would take seconds to minutes).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ SHAPES = {
     ),
 }  # fmt: skip
 SPECS = [PREFIX + name for name in SHAPES]
+CPU_MAX_PARAMS = 2e9  # larger shapes are for GPUs
 
 
 def shape_of(spec: str) -> str:
@@ -70,7 +73,13 @@ def build(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
     from engine.doctor import count_params, free_memory_bytes
 
     cfg = config(shape)
-    need = count_params(cfg) * torch.finfo(dtype).bits // 8
+    params = count_params(cfg)
+    if device.type == "cpu" and params > CPU_MAX_PARAMS:
+        raise UserError(
+            f"{PREFIX}{shape} is a GPU measurement tool: on a CPU one token would take seconds to minutes. "
+            f"Run it with a CUDA GPU, or use {PREFIX}llama-3.2-1b or {PREFIX}smollm2-135m here."
+        )
+    need = params * torch.finfo(dtype).bits // 8
     free = free_memory_bytes(device)
     if need > 0.9 * free:
         dt = str(dtype).replace("torch.", "")

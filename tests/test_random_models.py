@@ -40,8 +40,10 @@ def test_the_tokenizer_covers_every_id():
 
 def test_a_shape_that_does_not_fit_is_refused_before_allocating(monkeypatch):
     monkeypatch.setattr("engine.doctor.free_memory_bytes", lambda device: 2**30)
-    with pytest.raises(OutOfMemory, match="needs 29.9 GiB in float32 and cpu has 1.0 GiB free"):
-        random_models.build("llama-3.1-8b", torch.device("cpu"), torch.float32)
+    with pytest.raises(OutOfMemory, match="needs 4.6 GiB in float32 and cpu has 1.0 GiB free"):
+        random_models.build("llama-3.2-1b", torch.device("cpu"), torch.float32)
+    with pytest.raises(UserError, match="GPU measurement tool"):
+        random_models.build("llama-3.1-8b", torch.device("cpu"), torch.bfloat16)
 
 
 def test_synthetic_drafter_paced_by_a_draft_model_pays_its_passes(llama_pair):
