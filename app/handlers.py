@@ -21,7 +21,7 @@ import gradio as gr
 from app import charts, render
 from app.memory import SAMPLER
 from engine import policy, presets
-from engine.compare import Comparison, Request, Update, stream_compare
+from engine.compare import TAKES_DRAFT, Comparison, Request, Update, stream_compare
 from engine.errors import UserError
 from engine.metrics import RunResult, summarise
 from engine.models import MODELS
@@ -88,7 +88,7 @@ def build_request(
 
     seed = None if seed in (None, "") or float(seed) < 0 else whole(seed, "seed")
     sampling = SamplingConfig(float(temperature), whole(top_k, "top-k"), float(top_p), seed)
-    uses_draft = drafter in ("draft-model", "synthetic") and (draft or "").strip()  # synthetic: pays its passes
+    uses_draft = drafter in TAKES_DRAFT and (draft or "").strip()
     return Request(
         prompt=prompt or "",
         target=policy.app_model(target),
@@ -273,7 +273,7 @@ def check_pair(target, drafter, draft, dtype, max_new_tokens):
     from engine.doctor import diagnose, markdown
 
     try:
-        use_draft = drafter in ("draft-model", "synthetic") and (draft or "").strip()
+        use_draft = drafter in TAKES_DRAFT and (draft or "").strip()
         spec_t = policy.app_model(target)
         spec_d = policy.app_model(draft) if use_draft else None
         return markdown(diagnose(spec_t, spec_d, dtype or "auto", tokens=int(max_new_tokens) + 1024))

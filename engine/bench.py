@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 from engine.compare import (
+    TAKES_DRAFT,
     Pair,
     Request,
     environment,
@@ -174,7 +175,7 @@ class Session:
 
 def _cell_request(base: Request, drafter: str, gamma: int, temperature: float, prompt: str) -> Request:
     sampling = replace(base.sampling, temperature=temperature)
-    draft = base.draft if drafter in ("draft-model", "synthetic") else None  # synthetic: paced by the draft
+    draft = base.draft if drafter in TAKES_DRAFT else None
     return replace(base, drafter=drafter, draft=draft, gamma=gamma, sampling=sampling, prompt=prompt).validate()
 
 

@@ -28,6 +28,7 @@ from engine.sampling import SamplingConfig
 from engine.speculative import MAX_GAMMA, speculative_decode
 
 DRAFTERS = ("draft-model", "prompt-lookup", "synthetic")
+TAKES_DRAFT = ("draft-model", "synthetic")  # drafters that use a named draft model (synthetic: for its cost)
 
 
 def max_new_tokens_cap() -> int:
@@ -56,7 +57,7 @@ class Request:
     @property
     def uses_draft(self) -> bool:
         """A draft model is loaded: to draft, or to pace the synthetic drafter at its real cost."""
-        return self.drafter == "draft-model" or (self.drafter == "synthetic" and bool((self.draft or "").strip()))
+        return self.drafter == "draft-model" or (self.drafter in TAKES_DRAFT and bool((self.draft or "").strip()))
 
     def validate(self) -> "Request":
         if not self.prompt or not self.prompt.strip():
