@@ -16,6 +16,8 @@ it has more than 2B parameters (a token would take seconds to minutes).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine.errors import OutOfMemory, UserError
@@ -54,7 +56,9 @@ def config(shape: str):
     return LlamaConfig(**SHAPES[shape], bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
 
+@functools.lru_cache(maxsize=4)
 def tokenizer(vocab_size: int):
+    """Built once per vocabulary size (~0.6 s for 128k ids): the pair check and both models of a pair share it."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
