@@ -11,11 +11,12 @@ import threading
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # works offline; sends nothing anywhere
 
-from app.layout import CSS, THEME, build_demo  # noqa: E402 - after the environment is set
+from app.layout import CSS, THEME, build_demo, quiet_queue  # noqa: E402 - after the environment is set
 from engine.models import BUNDLED, MODELS  # noqa: E402
 
 demo = build_demo()
 demo.queue(max_size=int(os.environ.get("SPECARENA_QUEUE_SIZE", "16")))
+quiet_queue(demo)
 
 
 def preload() -> None:

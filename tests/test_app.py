@@ -212,3 +212,15 @@ def test_model_cache_respects_its_memory_budget(model_dirs):
     cache.get(model_dirs["target"])
     cache.get(model_dirs["draft"])
     assert [m.spec for m in cache.loaded()] == [model_dirs["draft"]]
+
+
+def test_the_queue_polls_for_work_every_50_ms_not_every_millisecond():
+    """The app sets Gradio's queue polling through attributes Gradio may rename; fail here if it does."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("entry", Path(__file__).resolve().parent.parent / "app.py")
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)  # builds the page; launching is left to __main__
+    queue = entry.demo._queue
+    assert (queue.sleep_when_free, queue.progress_update_sleep_when_free) == (0.05, 0.1)
