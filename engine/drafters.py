@@ -68,7 +68,7 @@ class DraftModel(Drafter):
     def _sync(self, ids: list[int]) -> list[int]:
         """Crop the cache to its longest still-valid prefix; return the ids to feed next (never empty)."""
         if self.cache is None:
-            self.cache = new_cache(self.model, self.max_len)
+            self.cache = new_cache(self.model, self.max_len, role="draft")
         keep = min(_common_prefix(self.fed, ids), len(ids) - 1)
         if len(self.fed) > keep:
             self.cache.crop(keep - len(self.fed))

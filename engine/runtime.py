@@ -36,28 +36,45 @@ def compile_decoding(model, backend: str = "inductor", mode: str | None = "reduc
     bucket compiles on its first use; the warm-up run pays for the common ones."""
     # dynamo counts recompilations per code object, and every model of a class shares its forward's: leave
     # room for all buckets of a target and its draft, or it falls back to eager without a word
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(BUCKETS))
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16 * len(BUCKETS))
     model.compiled_step = torch.compile(model.forward, backend=backend, mode=mode, dynamic=False)
+    model.static_caches = {}  # role -> (capacity, StaticCache), kept across runs (see new_cache)
 
 
-def new_cache(model, max_len: int | None = None):
-    """A DynamicCache; for a compiled model, a StaticCache with room for max_len tokens plus one padded pass
-    (a verify pass, with its draft, fits in that too). CUDA graphs need the cache's addresses to stay put,
-    so it cannot grow."""
+def new_cache(model, max_len: int | None = None, role: str = "run"):
+    """An empty KV cache for a run: a DynamicCache, or for a compiled model a StaticCache with room for
+    max_len tokens plus one padded pass (a verify pass, with its draft, fits in that too).
+
+    A compiled model keeps one static cache per role ("run" for prefill, decode and verify; "draft" for a
+    draft model; "measure" for timing passes) and resets it for the next run, as `generate()` does. CUDA
+    graphs read the cache at the addresses they were recorded with: a new cache per run would make every
+    graph record again inside the timed steps, and pile up recordings. The capacity is rounded up to a
+    power of two, so that a longer run rarely needs a new cache (and new graphs of that shape)."""
     from transformers import DynamicCache, StaticCache
 
     if getattr(model, "compiled_step", None) is None:
         return DynamicCache(config=model.config)
     if max_len is None:
         raise ValueError("a compiled model needs its cache length up front")
-    return StaticCache(config=model.config, max_cache_len=max_len + BUCKETS[-1])
+    need = max_len + BUCKETS[-1]
+    size, cache = model.static_caches.get(role, (0, None))
+    if size >= need:
+        with torch.inference_mode():  # its tensors were made in inference mode
+            cache.reset()
+        return cache
+    size = max(256, 1 << (need - 1).bit_length())
+    cache = StaticCache(config=model.config, max_cache_len=size)
+    model.static_caches[role] = (size, cache)
+    return cache
 
 
 def forward(model, token_ids: list[int], cache, keep: int = 0) -> torch.Tensor:
     """Feed token_ids after what `cache` holds; return logits (n, V), or the last `keep` rows (keep, V)."""
     n = len(token_ids)
     step = getattr(model, "compiled_step", None)
-    if step is None or n > BUCKETS[-1]:
+    # a cache's first pass runs eagerly: it allocates the cache there, where it can be marked as static for
+    # CUDA graphs (inside a compiled pass the tensors would become graph outputs, overwritten by the next replay)
+    if step is None or n > BUCKETS[-1] or not cache.is_initialized:
         ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)  # (1, n)
         return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=keep).logits[0]
     size = next(b for b in BUCKETS if b >= n)
@@ -76,7 +93,7 @@ def measure_verify_costs(model, max_draft: int, repeats: int = 2, context: int =
     call compiles, the second records the CUDA graph."""
     clock = Clock(model.device)
     untimed = 2 if getattr(model, "compiled_step", None) is not None else 0
-    cache = new_cache(model, context + max_draft + 1)
+    cache = new_cache(model, context + max_draft + 1, role="measure")
     vocab = model.config.get_text_config().vocab_size
     forward(model, [i % vocab for i in range(context)], cache, keep=1)
     sizes = sorted({0, max_draft} | {2**i for i in range(max_draft.bit_length()) if 2**i < max_draft})

@@ -288,6 +288,7 @@ def test_compiled_decoding_is_lossless(llama_pair):
     for model in (target, draft):
         compile_decoding(model, backend="eager", mode=None)
     assert isinstance(new_cache(target, 8), StaticCache)
+    target.static_caches.clear()  # start the runs below from no cache
     costs = [1.0 + 0.01 * k for k in range(17)]  # cheap passes: drafts of many lengths
     for text in (PROMPTS[0], PROMPTS[0] * 3):  # prefill inside the largest bucket, and beyond it (eager)
         ids = prompt_ids(tok, text)
@@ -297,3 +298,11 @@ def test_compiled_decoding_is_lossless(llama_pair):
         sized = run_spec(target, tok, ids, PromptLookup(costs=costs), 16, 40)
         assert sized.token_ids == expected
     assert len({len(s.drafted) for s in sized.steps if s.drafted}) > 1
+    # one static cache per role, reset between runs, allocated by an eager pass so CUDA graphs may keep it
+    assert set(target.static_caches) == {"run"} and set(draft.static_caches) == {"draft"}
+    size, cache = target.static_caches["run"]
+    assert size >= len(prompt_ids(tok, PROMPTS[0] * 3)) + 40 and size & (size - 1) == 0
+    assert all(layer.keys._dynamo_static_input_type for layer in cache.layers)
+    assert new_cache(target, 8) is cache and cache.get_seq_length() == 0
+    assert new_cache(target, 8, role="measure") is not cache
+    assert new_cache(target, 4 * size) is not cache
