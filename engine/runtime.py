@@ -35,7 +35,8 @@ def compile_decoding(model, backend: str = "inductor", mode: str | None = "reduc
     default mode on CUDA: CUDA graphs, which remove the per-kernel launch cost of small batches). Each
     bucket compiles on its first use; the warm-up run pays for the common ones."""
     # dynamo counts recompilations per code object, and every model of a class shares its forward's: leave
-    # room for all buckets of a target and its draft, or it falls back to eager without a word
+    # room for all buckets of a target and its draft at a few cache capacities, or it falls back to eager
+    # without a word
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16 * len(BUCKETS))
     model.compiled_step = torch.compile(model.forward, backend=backend, mode=mode, dynamic=False)
     model.static_caches = {}  # role -> (capacity, StaticCache), kept across runs (see new_cache)
