@@ -13,7 +13,7 @@ import logging
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import gradio as gr
@@ -21,11 +21,12 @@ import gradio as gr
 from app import charts, render
 from app.memory import SAMPLER
 from engine import policy, presets
-from engine.compare import TAKES_DRAFT, Comparison, Request, Update, stream_compare
+from engine.compare import Comparison, stream_compare
 from engine.errors import UserError
+from engine.events import Done, Event, RunDone, Status, Step
 from engine.metrics import RunResult, summarise
 from engine.models import MODELS
-from engine.sampling import SamplingConfig
+from engine.settings import TAKES_DRAFT, Settings, check_prompt
 
 log = logging.getLogger("specarena")
 # Each refresh costs the server (rendering, diffing, streaming) and the browser CPU that, on a CPU machine,
@@ -33,9 +34,13 @@ log = logging.getLogger("specarena")
 RENDER_EVERY = 0.5
 CHART_EVERY = 2.0
 
+# Settings a caller of the app may set: every Settings field but those the operator decides for the machine
+# (device, compile), warm-up (always on: numbers without it are not honest) and the backend (one so far).
+API_FIELDS = [name for name in Settings.names() if name not in ("device", "compile", "warmup", "backend")]
+
 HISTORY_COLUMNS = [
-    "time", "target", "drafter", "draft", "gamma", "temperature", "max new", "speedup",
-    "acceptance", "tok/s base", "tok/s spec", "identical",
+    "time", "status", "target", "drafter", "draft", "γ", "temperature", "max new", "speedup ×", "acceptance",
+    "base tok/s", "spec tok/s", "identical",
 ]  # fmt: skip
 
 
@@ -73,54 +78,16 @@ def session_of(request, suffix: str = "") -> str:
     return (getattr(request, "session_hash", None) or "anonymous") + suffix
 
 
-def build_request(
-    prompt, target, drafter, draft, temperature, top_p, top_k, max_new_tokens, gamma, seed, chat, dtype, ngram, alpha,
-    adaptive=False,
-) -> Request:  # fmt: skip
-    """UI values (floats from sliders, None from empty numbers) -> a validated engine Request."""
-
-    def whole(value, name):
-        if value is None or value == "":
-            raise UserError(f"{name} is empty: enter a whole number.")
-        if float(value) != int(float(value)):
-            raise UserError(f"{name} {value} is not a whole number.")
-        return int(float(value))
-
-    seed = None if seed in (None, "") or float(seed) < 0 else whole(seed, "seed")
-    sampling = SamplingConfig(float(temperature), whole(top_k, "top-k"), float(top_p), seed)
-    uses_draft = drafter in TAKES_DRAFT and (draft or "").strip()
-    return Request(
-        prompt=prompt or "",
-        target=policy.app_model(target),
-        draft=policy.app_model(draft) if uses_draft else None,
-        drafter=drafter,
-        gamma=whole(gamma, "gamma"),
-        max_new_tokens=whole(max_new_tokens, "max new tokens"),
-        sampling=sampling,
-        chat=bool(chat),
-        dtype=dtype or "auto",
-        ngram=whole(ngram, "n-gram size"),
-        alpha=float(alpha),
-        adaptive=bool(adaptive),
-    ).validate()
-
-
-FIELD_WORDS = ["prompt", "target", "drafter", "draft", "temperature", "top-p", "top-k", "max new tokens", "gamma",
-               "seed", "chat", "dtype", "n-gram", "alpha", "adaptive"]  # fmt: skip
-
-
-def validate(*values):
-    """Gradio validator for `compare`: the same checks as the engine, shown on the offending field at once."""
-    inputs = values[:15]
-    try:
-        build_request(*inputs)
-        problem, message = None, ""
-    except UserError as exc:
-        message = str(exc)
-        head = message.split(":")[0].lower()
-        problem = next((w for w in sorted(FIELD_WORDS, key=len, reverse=True) if w in head), "prompt")
-    marks = [gr.validate(word != problem, message if word == problem else "") for word in FIELD_WORDS]
-    return marks + [gr.validate(True, "")] * (len(values) - len(marks))
+def settings_from(**form) -> Settings:
+    """Form or API values -> validated Settings; model names pass the operator's policy."""
+    s = Settings.from_form(**form).validate()
+    for name in ("target", "draft"):
+        if name == "target" or (s.drafter in TAKES_DRAFT and s.draft):
+            try:
+                s = replace(s, **{name: policy.app_model(getattr(s, name))})
+            except UserError as exc:
+                raise UserError(str(exc), field=name) from None
+    return s
 
 
 @dataclass
@@ -129,34 +96,39 @@ class Live:
 
     steps: dict[str, list] = field(default_factory=lambda: {"baseline": [], "speculative": []})
     results: dict[str, RunResult] = field(default_factory=dict)
-    status: list[str] = field(default_factory=list)
+    status: str = ""
     comparison: Comparison | None = None
     running: str | None = None
     number: int = 0  # this session's run number, shown in the status line
+    started: float = field(default_factory=time.monotonic)
 
-    def add(self, update: Update) -> None:
-        if update.phase == "status":
-            self.status.append(update.message)
-        elif update.phase == "done":
-            self.comparison = update.result
-            self.running = None
-        elif update.event is not None:
-            self.running = update.phase
-            self.steps[update.phase].append(update.event)
-        else:
-            self.results[update.phase] = update.result
+    def add(self, event: Event) -> None:
+        if isinstance(event, Status):
+            self.status = event.message
+        elif isinstance(event, Step):
+            self.running = event.mode
+            self.steps[event.mode].append(event.event)
+        elif isinstance(event, RunDone):
+            self.results[event.mode] = event.result
+        elif isinstance(event, Done):
+            self.comparison, self.running = event.comparison, None
+            took = time.monotonic() - self.started
+            self.status = f"stopped after {took:.1f} s: partial runs, not compared" if event.comparison.stopped \
+                else f"done in {took:.1f} s"
 
     def run(self, mode: str) -> RunResult | None:
         if mode in self.results:
             return self.results[mode]
         return summarise(mode, self.steps[mode], "") if self.steps[mode] else None
 
+    def status_line(self) -> str:
+        return " · ".join(part for part in (f"run {self.number}" if self.number else "", self.status) if part)
+
     def outputs(self, chart: bool = True) -> tuple:
         """(status, baseline pane, speculative pane, summary, chart); chart=False leaves the chart as it is."""
         base, spec = self.run("baseline"), self.run("speculative")
         done = self.comparison
-        identical = done.identical if done else None
-        hint = render.identical_badge(identical) if done else ""
+        hint = render.verdict_badge(done.identical, done.stopped) if done else ""
         base_pane = render.pane(
             "Baseline (target alone)",
             render.baseline_tokens(self.steps["baseline"]),
@@ -171,35 +143,38 @@ class Live:
         summary = render.summary(
             base.metrics if base else None,
             spec.metrics if spec and not self.running else None,
-            identical,
+            done.identical if done else None,
             done.speedup if done else None,
+            stopped=bool(done and done.stopped),
         )
-        status = " · ".join(([f"run {self.number}"] if self.number else []) + self.status[-3:])
         figure = charts.as_plot(charts.live_figure(base, spec)) if chart else gr.skip()
-        return status, base_pane, spec_pane, summary, figure
+        return self.status_line(), base_pane, spec_pane, summary, figure
 
 
-def history_row(c: Comparison) -> list:
-    s, b = c.speculative.metrics, c.baseline.metrics
-    return [
-        time.strftime("%H:%M:%S"), c.request.target, c.request.drafter, c.request.draft or "", c.request.gamma,
-        c.request.sampling.temperature, c.request.max_new_tokens, round(c.speedup or 0, 3),
-        None if s.acceptance_rate is None else round(s.acceptance_rate, 3),
-        round(b.tokens_per_s, 2), round(s.tokens_per_s, 2), c.identical,
-    ]  # fmt: skip
+def history_row(s: Settings, status: str, c: Comparison | None = None) -> list:
+    """One row per run, whatever its end: done, stopped, or failed (with what failed)."""
+    row = [time.strftime("%H:%M:%S"), status, s.target, s.drafter, s.draft, s.gamma, s.temperature,
+           s.max_new_tokens]  # fmt: skip
+    if c is None or c.speedup is None:
+        return row + [None, None, None, None, c.identical if c else None]
+    sm, b = c.speculative.metrics, c.baseline.metrics
+    acceptance = None if sm.acceptance_rate is None else round(sm.acceptance_rate, 3)
+    return row + [round(c.speedup, 3), acceptance, round(b.tokens_per_s, 2), round(sm.tokens_per_s, 2), c.identical]
 
 
-def write_downloads(c: Comparison, history: list[list]) -> list[str]:
+def write_downloads(c: Comparison | None, history: list[list]) -> list[str]:
     """The last run as JSON (settings, versions, device, metrics, per-step trace) and the history as CSV."""
     folder = Path(tempfile.mkdtemp(prefix="specarena-"))
-    run_path = folder / "specarena-run.json"
-    run_path.write_text(json.dumps(c.to_dict(), indent=1))
-    csv_path = folder / "specarena-history.csv"
-    with csv_path.open("w", newline="") as f:
+    paths = []
+    if c is not None:
+        paths.append(folder / "specarena-run.json")
+        paths[-1].write_text(json.dumps(c.to_dict(), indent=1))
+    paths.append(folder / "specarena-history.csv")
+    with paths[-1].open("w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(HISTORY_COLUMNS)
         writer.writerows(history)
-    return [str(run_path), str(csv_path)]
+    return [str(p) for p in paths]
 
 
 def api_result(c: Comparison | None) -> dict:
@@ -207,48 +182,54 @@ def api_result(c: Comparison | None) -> dict:
     if c is None:
         return {}
     data = c.to_dict(with_steps=False)
-    keys = ("baseline", "speculative", "identical", "speedup", "settings", "environment", "started_at", "finished_at")
+    keys = ("status", "baseline", "speculative", "identical", "speedup", "settings", "environment", "started_at",
+            "finished_at")  # fmt: skip
     return {k: data[k] for k in keys}
 
 
-def compare(
-    prompt, target, drafter, draft, temperature, top_p, top_k, max_new_tokens, gamma, seed, chat, dtype,
-    ngram, alpha, adaptive, history, request: gr.Request,
-):  # fmt: skip
-    """Run baseline then speculative and stream both. Yields (result, status, panes, summary, chart, history...)."""
+def _error(exc: UserError) -> gr.Error:
+    """The message for the API caller (the UI shows it on the field and in the status line)."""
+    where = f" (field: {exc.field})" if exc.field else ""
+    return gr.Error(f"{exc}{where}", visible=exc.field is None)
+
+
+def compare(prompt, history, request: gr.Request, **form):
+    """Run baseline then speculative and stream both. Yields (result, status, panes, summary, chart,
+    history, history table, downloads, field error)."""
+    history = list(history or [])
+    skip = (gr.skip(),) * 7
     try:
-        req = build_request(
-            prompt, target, drafter, draft, temperature, top_p, top_k, max_new_tokens, gamma, seed, chat, dtype,
-            ngram, alpha, adaptive,
-        )  # fmt: skip
-    except UserError as exc:
-        raise gr.Error(str(exc)) from None
+        check_prompt(prompt)
+        s = settings_from(**form)
+    except UserError as exc:  # nothing ran: mark the field, count no run
+        yield (gr.skip(), f"not started: {exc}", *skip[:7], render.field_error(exc))
+        raise _error(exc) from None
     session = session_of(request)
     stop = STOPS.start(session)
-    history = list(history or [])
     live, last_text, last_chart = Live(number=len(history) + 1), 0.0, 0.0
+    yield (gr.skip(), live.status_line() + " · starting", *skip[:7], "")
     try:
-        for update in stream_compare(req, stop):
-            live.add(update)
+        for event in stream_compare(s, prompt, stop):
+            live.add(event)
             now = time.monotonic()
-            streaming = update.event is not None
+            streaming = isinstance(event, Step)
             if not streaming or now - last_text >= RENDER_EVERY:
                 chart = not streaming or now - last_chart >= CHART_EVERY
                 last_text, last_chart = now, now if chart else last_chart
-                yield (gr.skip(), *live.outputs(chart), gr.skip(), gr.skip(), gr.skip())
-    except UserError as exc:
-        raise gr.Error(str(exc)) from None
+                yield (gr.skip(), *live.outputs(chart), *skip[:4])
     except Exception as exc:  # noqa: BLE001 - the app must keep serving
-        log.exception("comparison failed")
-        raise gr.Error(f"the run failed unexpectedly ({type(exc).__name__}: {exc}); the app is still running.")
+        if not isinstance(exc, UserError):
+            log.exception("comparison failed")
+            exc = UserError(f"the run failed unexpectedly ({type(exc).__name__}: {exc}); the app is still running.")
+        live.status = f"failed: {exc}"
+        history.append(history_row(s, "failed"))
+        yield (gr.skip(), *live.outputs(), history, history, write_downloads(None, history), render.field_error(exc))
+        raise _error(exc) from None
     finally:
         STOPS.finish(session, stop)
     c = live.comparison
-    if c is not None:
-        history = history + [history_row(c)]
-        if stop.is_set():
-            live.status.append("stopped by user: partial results shown")
-        yield (api_result(c), *live.outputs(), history, history, write_downloads(c, history))
+    history.append(history_row(s, c.status, c))
+    yield (api_result(c), *live.outputs(), history, history, write_downloads(c, history), "")
 
 
 def stop(request: gr.Request) -> str:
@@ -257,26 +238,28 @@ def stop(request: gr.Request) -> str:
 
 
 def clear():
-    live = Live()
-    return ({}, "", *live.outputs()[1:])
+    """Empty panes, summary, chart, status and field marks; the prompt and the history stay."""
+    return ({}, *Live().outputs(), "")
+
+
+PRESET_FIELDS = ("target", "drafter", "draft", "gamma", "dtype", "alpha")
 
 
 def apply_preset(name: str):
-    """Preset -> target, drafter, draft, gamma, dtype, alpha, and the note shown under the dropdown."""
+    """Preset -> its PRESET_FIELDS (defaults where it names none), and the note shown under the dropdown."""
     p = presets.pair(name)
     note = f"{p['note']}  \n*Measured on:* {p['measured_on']}"
-    return p["target"], p["drafter"], p.get("draft", ""), p["gamma"], p.get("dtype", "auto"), p.get("alpha", 0.8), note
+    return (*(p.get(f, getattr(Settings, f)) for f in PRESET_FIELDS), note)
 
 
-def check_pair(target, drafter, draft, dtype, max_new_tokens):
+def check_pair(**form):
     """The pair doctor's report as Markdown, before any weights load."""
     from engine.doctor import diagnose, markdown
 
     try:
-        use_draft = drafter in TAKES_DRAFT and (draft or "").strip()
-        spec_t = policy.app_model(target)
-        spec_d = policy.app_model(draft) if use_draft else None
-        return markdown(diagnose(spec_t, spec_d, dtype or "auto", tokens=int(max_new_tokens) + 1024))
+        s = settings_from(**form)
+        draft = s.draft if s.uses_draft else None
+        return markdown(diagnose(s.target, draft, s.dtype, tokens=s.max_new_tokens + 1024))
     except UserError as exc:
         return f"❌ {exc}"
     except Exception as exc:  # noqa: BLE001 - a broken config must not take the app down

@@ -15,10 +15,11 @@ import gradio as gr
 import plotly.graph_objects as go
 
 from app.gpu import on_gpu
-from app.handlers import STOPS, build_request, session_of
+from app.handlers import STOPS, session_of, settings_from
 from engine import presets, report
 from engine.bench import Stopped, sweep
 from engine.errors import UserError
+from engine.settings import Settings
 
 log = logging.getLogger("specarena")
 GAMMAS = [1, 2, 3, 4, 5, 6, 8, 12, 16]
@@ -32,14 +33,15 @@ categories to run the task suite. With the draft model in the sweep, synthetic �
 so they show what this draft would reach at that α. The camera icon on a chart saves it as PNG; the
 report's charts.html holds both charts and opens offline."""
 
-CELL_COLUMNS = ["drafter", "γ", "temperature", "speedup", "min", "max", "acceptance", "tok/s base", "tok/s spec",
-                "identical"]  # fmt: skip
-CATEGORY_COLUMNS = ["category", "speedup", "min", "max", "acceptance", "expected"]
+CELL_COLUMNS = ["drafter", "γ", "temperature", "speedup ×", "min", "max", "samples", "acceptance", "base tok/s",
+                "spec tok/s", "identical"]  # fmt: skip
+CATEGORY_COLUMNS = ["category", "speedup ×", "min", "max", "samples", "acceptance", "expected"]
 
 
 def build_layout() -> SimpleNamespace:
     ui = SimpleNamespace()
     gr.Markdown(HELP)
+    ui.uses = gr.Markdown(elem_id="lab-uses")
     with gr.Row():
         ui.gammas = gr.CheckboxGroup(GAMMAS, value=[1, 2, 4, 8], label="γ values")
         ui.temperatures = gr.Textbox("0", label="temperatures", info="comma-separated, e.g. 0, 0.7")
@@ -72,23 +74,42 @@ def _r(value, digits=2):
     return None if value is None else round(value, digits)
 
 
+def _identical(cell: dict):
+    """Greedy cells say whether every pair was identical; sampled cells are not compared ("-")."""
+    return "-" if cell["all_identical"] is None else cell["all_identical"]
+
+
 def cell_rows(data: dict) -> list[list]:
     return [
         [c["drafter"], c["gamma"], c["temperature"], _r(c["speedup"]["median"]), _r(c["speedup"]["min"]),
-         _r(c["speedup"]["max"]), _r(c["acceptance_rate"]["median"]), _r(c["baseline_tps"]["median"], 1),
-         _r(c["speculative_tps"]["median"], 1), c["all_identical"]]
+         _r(c["speedup"]["max"]), c["speedup"]["n"], _r(c["acceptance_rate"]["median"]),
+         _r(c["baseline_tps"]["median"], 1), _r(c["speculative_tps"]["median"], 1), _identical(c)]
         for c in data["cells"]
     ]  # fmt: skip
 
 
+def uses_markdown(s: Settings, prompts: int = 0, repeats: int = 0) -> str:
+    """What a sweep runs with: the Playground's pair and sampling settings, and how much each cell rests on."""
+    draft = f", draft **{s.draft}**" if s.draft else ""
+    seed = "random" if s.seed is None else s.seed
+    line = f"Sweeping on target **{s.target}**{draft}, dtype {s.dtype}, seed {seed}, top-p {s.top_p}, top-k {s.top_k}"
+    if prompts:
+        line += f"; each cell rests on {prompts} prompt(s) × {repeats} A/B pair(s) = {prompts * repeats} samples"
+    return line + ". Change the pair and sampling settings on the Playground tab."
+
+
 def best_cell(data: dict) -> dict:
-    return max(data["cells"], key=lambda c: c["speedup"]["median"] or 0)
+    """The best real drafter's cell (report.best_setting), or the best of all when only synthetic ones ran."""
+    best = report.best_setting(data)
+    keys = ("drafter", "gamma", "temperature")
+    matches = [c for c in data["cells"] if best and all(c[k] == best[k] for k in keys)]
+    return matches[0] if matches else max(data["cells"], key=lambda c: c["speedup"]["median"] or 0)
 
 
 def category_rows(data: dict) -> list[list]:
     expected = {name: info.get("expect", "") for name, info in presets.tasks()["categories"].items()}
     return [
-        [name, _r(s["speedup"]["median"]), _r(s["speedup"]["min"]), _r(s["speedup"]["max"]),
+        [name, _r(s["speedup"]["median"]), _r(s["speedup"]["min"]), _r(s["speedup"]["max"]), s["speedup"]["n"],
          _r(s["acceptance_rate"]["median"]), expected.get(name, "")]
         for name, s in best_cell(data)["by_category"].items()
     ]  # fmt: skip
@@ -117,6 +138,10 @@ def curve_figure(data: dict) -> go.Figure:
             )
         )
     fig.add_hline(y=1.0, line=dict(color="#9ca3af", dash="dash"))
+    # scaled to what was measured and predicted: the paper's curve (verify costs one step) runs far above on a
+    # CPU and would flatten the points; it leaves the chart at the top
+    shown = [p[k] for f in data["fits"] for p in f["curve"] for k in ("measured", "predicted") if p[k] is not None]
+    fig.update_yaxes(range=[0, max([1.2] + shown) * 1.15])
     fig.update_layout(
         xaxis_title="γ (draft tokens per step)",
         yaxis_title="speedup ×",
@@ -134,10 +159,16 @@ def category_figure(data: dict) -> go.Figure:
         type="data", symmetric=False, array=[r[3] - r[1] for r in rows], arrayminus=[r[1] - r[2] for r in rows]
     )
     fig = go.Figure()
-    fig.add_trace(go.Bar(x=names, y=[r[1] for r in rows], name="speedup ×", marker_color="#7c3aed", error_y=errors))
-    fig.add_trace(go.Bar(x=names, y=[r[4] or 0 for r in rows], name="acceptance", marker_color="#16a34a"))
+    fig.add_trace(go.Bar(x=names, y=[r[1] for r in rows], name="speedup × (left)", marker_color="#7c3aed",
+                         error_y=errors, offsetgroup="speedup"))  # fmt: skip
+    fig.add_trace(go.Bar(x=names, y=[r[5] or 0 for r in rows], name="acceptance (right)", marker_color="#16a34a",
+                         yaxis="y2", offsetgroup="acceptance"))  # fmt: skip
     fig.add_hline(y=1.0, line=dict(color="#9ca3af", dash="dash"))
-    fig.update_layout(barmode="group", height=420, margin=dict(l=50, r=20, t=30, b=80), legend=dict(orientation="h"))
+    fig.update_layout(
+        barmode="group", height=420, margin=dict(l=50, r=50, t=30, b=80), legend=dict(orientation="h"),
+        yaxis=dict(title=dict(text="speedup ×"), rangemode="tozero"),
+        yaxis2=dict(title=dict(text="acceptance"), overlaying="y", side="right", range=[0, 1.05]),
+    )  # fmt: skip
     return fig
 
 
@@ -146,22 +177,27 @@ def snippets_markdown(data: dict) -> str:
 
 
 def run_sweep(
-    target, draft, dtype, chat, ngram, alpha, top_p, top_k, seed, gammas, temperatures, drafters, categories,
-    per_category, repeats, max_new_tokens, request: gr.Request, progress=gr.Progress(),
+    gammas, temperatures, drafters, categories, per_category, repeats, sweep_max_new_tokens, request: gr.Request,
+    progress=gr.Progress(), **form,
 ):  # fmt: skip
-    """Sweep the grid over the chosen task categories; returns verdict, tables, charts, snippets, files."""
+    """Sweep the grid over the chosen task categories, on the Playground's pair and sampling settings (`form`;
+    its drafter, γ, temperature and max new tokens give way to the sweep's own).
+    Returns what it used, verdict, tables, charts, snippets, files."""
     try:
-        temps = [float(t) for t in str(temperatures).replace(" ", "").split(",") if t]
+        temps = [float(t) for t in str(temperatures or "").replace(" ", "").split(",") if t]
         if not gammas or not drafters or not categories or not temps:
             raise UserError("choose at least one γ, one temperature, one drafter and one task category.")
         first = "draft-model" if "draft-model" in drafters else drafters[0]
-        base = build_request("-", target, first, draft, temps[0], top_p, top_k, max_new_tokens, min(gammas), seed,
-                             chat, dtype, ngram, alpha)  # fmt: skip
+        axes = dict(drafter=first, gamma=min(int(g) for g in gammas), temperature=temps[0],
+                    max_new_tokens=sweep_max_new_tokens)  # fmt: skip
+        base = settings_from(**(form | axes))
         prompts = presets.suite(list(categories), int(per_category))
+        if not 1 <= int(repeats) <= 10:
+            raise UserError(f"repeats {repeats} is out of range: use 1 to 10.", field="repeats")
     except ValueError:
         raise gr.Error(f"temperatures {temperatures!r}: write numbers separated by commas, e.g. 0, 0.7.") from None
     except UserError as exc:
-        raise gr.Error(str(exc)) from None
+        raise gr.Error(f"{exc}" + (f" (field: {exc.field})" if exc.field else "")) from None
     session = session_of(request, ":lab")
     stop = STOPS.start(session)
     try:
@@ -181,7 +217,8 @@ def run_sweep(
     curve, categories = curve_figure(data), category_figure(data)
     paths.append(write_charts(folder, curve, categories))
     verdicts = "\n".join(f"- **{f['drafter']}, temperature {f['temperature']}**: {f['verdict']}" for f in data["fits"])
-    return (verdicts, cell_rows(data), curve, categories, category_rows(data), snippets_markdown(data),
+    uses = uses_markdown(base, sum(len(p) for p in prompts.values()), int(repeats))
+    return (uses, verdicts, cell_rows(data), curve, categories, category_rows(data), snippets_markdown(data),
             [str(p) for p in paths])  # fmt: skip
 
 
@@ -198,10 +235,20 @@ def stop(request: gr.Request) -> None:
 
 
 def wire(ui: SimpleNamespace, play: SimpleNamespace) -> None:
-    inputs = [play.target, play.draft, play.dtype, play.chat, play.ngram, play.alpha, play.top_p, play.top_k,
-              play.seed, ui.gammas, ui.temperatures, ui.drafters, ui.categories, ui.per_category, ui.repeats,
-              ui.max_new_tokens]  # fmt: skip
-    outputs = [ui.verdict, ui.cells, ui.curve, ui.category_chart, ui.category_table, ui.snippets, ui.files]
-    ui.run.click(on_gpu(run_sweep), inputs=inputs, outputs=outputs, api_name="sweep", concurrency_limit=1,
-                 concurrency_id="device")  # fmt: skip
+    inputs = [ui.gammas, ui.temperatures, ui.drafters, ui.categories, ui.per_category, ui.repeats, ui.max_new_tokens]
+    outputs = [ui.uses, ui.verdict, ui.cells, ui.curve, ui.category_chart, ui.category_table, ui.snippets, ui.files]
+    ui.run.click(on_gpu(run_sweep), inputs=inputs, inputs_kwargs=play.form, outputs=outputs, preprocess=False,
+                 api_name="sweep", concurrency_limit=1, concurrency_id="device")  # fmt: skip
     ui.stop.click(stop, queue=False, api_visibility="private")
+    # what the sweep will use, kept in step with the Playground's fields
+    ui.uses.value = show_uses(**{name: component.value for name, component in play.form.items()})
+    for component in play.form.values():
+        component.change(show_uses, inputs_kwargs=play.form, outputs=[ui.uses], preprocess=False, queue=False,
+                         api_visibility="private", show_progress="hidden")  # fmt: skip
+
+
+def show_uses(**form) -> str:
+    try:
+        return uses_markdown(Settings.from_form(**form))
+    except UserError as exc:
+        return f"The Playground's settings need a fix first: {exc}"

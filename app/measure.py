@@ -22,9 +22,10 @@ import urllib.request
 
 from gradio_client import Client
 
+from app.handlers import API_FIELDS
 from engine import presets
-from engine.compare import Request, compare
-from engine.models import BUNDLED
+from engine.compare import compare
+from engine.settings import Settings
 
 
 def free_port() -> int:
@@ -50,15 +51,13 @@ def main() -> None:
         except OSError:
             time.sleep(0.5)
     client = Client(url, verbose=False)
-    api_args = dict(prompt=prompt, target=BUNDLED, drafter="prompt-lookup", draft="", temperature=0, top_p=1,
-                    top_k=0, max_new_tokens=args.max_new_tokens, gamma=4, seed=0, chat=True, dtype="auto", ngram=3,
-                    alpha=0.8, adaptive=False)  # fmt: skip
-    request = Request(prompt, drafter="prompt-lookup", gamma=4, max_new_tokens=args.max_new_tokens)
+    settings = Settings(drafter="prompt-lookup", gamma=4, max_new_tokens=args.max_new_tokens, seed=0, chat=True)
+    api_args = {"prompt": prompt} | {name: getattr(settings, name) for name in API_FIELDS}
     ratios: dict[str, list[float]] = {"speculative": [], "baseline": []}
     for r in range(args.repeats):
         for first in ("engine", "api") if r % 2 == 0 else ("api", "engine"):
             if first == "engine":
-                engine = compare(request).to_dict(with_steps=False)
+                engine = compare(settings, prompt).to_dict(with_steps=False)
             else:
                 api = client.predict(**api_args, api_name="/compare")[0]
         for side in ratios:

@@ -3,14 +3,17 @@
 Speculative tokens are coloured by origin: accepted draft token, the target's correction, the bonus
 token after a fully accepted draft, or a plain target token (prefill, or a step without a draft).
 Rejected draft proposals are always in the HTML, struck through, and shown only when the
-"show rejected drafts" box is ticked (pure CSS, so toggling needs no re-render).
+"show rejected drafts" box is ticked (pure CSS, so toggling needs no re-render). Only the first of them
+was tested and rejected; the ones after it were never checked, and are labelled so.
 """
 
 from __future__ import annotations
 
 from html import escape
 
+from engine.errors import UserError
 from engine.metrics import Metrics, StepEvent
+from engine.settings import LABELS
 
 KINDS = {  # CSS class suffix -> legend label; the colours live in assets/style.css
     "acc": "accepted draft",
@@ -18,6 +21,7 @@ KINDS = {  # CSS class suffix -> legend label; the colours live in assets/style.
     "bon": "bonus token",
     "tgt": "target token",
     "rej": "rejected draft",
+    "unk": "not checked (after a rejection)",
 }
 
 LEGEND = (
@@ -35,19 +39,36 @@ def _prob(label: str, value: float | None) -> str:
     return f"{label}={value:.3f}" if value is not None else ""
 
 
+def _rejected(s: StepEvent) -> str:
+    """The draft tokens the target did not keep: the first was tested and rejected, the rest never checked."""
+    out = []
+    for j, piece in enumerate(s.rejected_pieces):
+        k = s.accepted + j
+        if j == 0:
+            kind, title = "rej", f"step {s.step}, draft position {k + 1}: rejected, {_prob('p', s.p[k])} " + _prob(
+                "q", s.q[k]
+            )
+        else:
+            kind, title = "unk", f"step {s.step}, draft position {k + 1}: not checked (a draft token before it failed)"
+        classes = "sa-tok sa-rej" + (" sa-unk" if kind == "unk" else "")
+        out.append(f'<s class="{classes}" title="{escape(title, quote=True)}">{escape(piece)}</s>')
+    return "".join(out)
+
+
 def speculative_tokens(steps: list[StepEvent]) -> str:
-    """Every emitted token as a coloured span; hover shows the target p and the draft q."""
+    """Every emitted token as a coloured span; hover shows the target p and the draft q. Tokens with no text
+    (an end-of-sequence token, a byte that starts a character) get no span: an empty one shows as a blob."""
     out: list[str] = []
     for s in steps:
         for i, (token, piece) in enumerate(zip(s.tokens, s.pieces)):
             if i < s.accepted:
                 title = f"step {s.step}, draft position {i + 1}: accepted, {_prob('p', s.p[i])} {_prob('q', s.q[i])}"
-                out.append(_span("acc", piece, title))
+                if piece:
+                    out.append(_span("acc", piece, title))
                 continue
-            for j, rejected in enumerate(s.rejected_pieces):
-                k = s.accepted + j
-                title = f"step {s.step}, draft position {k + 1}: rejected, {_prob('p', s.p[k])} {_prob('q', s.q[k])}"
-                out.append(f'<s class="sa-tok sa-rej" title="{escape(title, quote=True)}">{escape(rejected)}</s>')
+            out.append(_rejected(s))
+            if not piece:
+                continue
             kind = {"correction": "cor", "bonus": "bon"}.get(s.kind, "tgt")
             what = {"cor": "target's correction", "bon": "bonus token (all drafts accepted)"}.get(kind, "target token")
             out.append(_span(kind, piece, f"step {s.step}: {what}, {_prob('p', s.token_p)}"))
@@ -84,7 +105,12 @@ def _card(label: str, value: str, hint: str = "") -> str:
     )
 
 
-def identical_badge(identical: bool | None) -> str:
+def verdict_badge(identical: bool | None, stopped: bool = False) -> str:
+    if stopped:
+        return (
+            '<span class="sa-badge sa-warn" title="A stopped comparison has runs of different lengths: they are '
+            'not compared and no speedup is computed.">stopped: partial runs, not compared</span>'
+        )
     if identical is None:
         return (
             '<span class="sa-badge sa-info" title="Sampled runs differ token by token; rejection sampling keeps '
@@ -98,7 +124,11 @@ def identical_badge(identical: bool | None) -> str:
     )
 
 
-def summary(base: Metrics | None, spec: Metrics | None, identical: bool | None, speedup: float | None) -> str:
+def summary(
+    base: Metrics | None, spec: Metrics | None, identical: bool | None, speedup: float | None, stopped: bool = False
+) -> str:
+    if stopped:
+        return f'<div class="sa-summary">{verdict_badge(None, stopped=True)}</div>'
     if base is None or spec is None:
         return '<div class="sa-summary sa-empty">Run a comparison to see the summary.</div>'
     saved = base.target_passes - spec.target_passes
@@ -115,4 +145,34 @@ def summary(base: Metrics | None, spec: Metrics | None, identical: bool | None, 
         _card("target passes saved", str(saved), f"{spec.target_passes} vs {base.target_passes}"),
         _card("cost ratio c", _fmt(spec.cost_ratio_c, ".3f"), "draft token / verify pass"),
     ]
-    return f'<div class="sa-summary">{identical_badge(identical)}<div class="sa-cards">{"".join(cards)}</div></div>'
+    return f'<div class="sa-summary">{verdict_badge(identical)}<div class="sa-cards">{"".join(cards)}</div></div>'
+
+
+def field_id(name: str) -> str:
+    """The elem_id of the form field for a Settings field (or the prompt)."""
+    return f"field-{name}"
+
+
+def _css_string(text: str) -> str:
+    """Text as a CSS string literal that no input can break out of: everything but ASCII letters, digits and
+    spaces as a hex escape."""
+    return '"' + "".join(c if (c.isascii() and c.isalnum()) or c == " " else f"\\{ord(c):x} " for c in text) + '"'
+
+
+def field_error(exc: UserError) -> str:
+    """A red outline and the message under the field at fault, and the message under Run (the field may sit
+    in a closed accordion). Stays until the user edits that field or runs again."""
+    message = escape(str(exc))
+    if not exc.field:
+        return f'<div class="sa-form-error" role="alert">⚠ {message}</div>'
+    target = f"#{field_id(exc.field)}"
+    style = (
+        f"<style>{target} {{ outline: 2px solid #dc2626; outline-offset: 2px; border-radius: 8px; }}"
+        f"{target}::after {{ content: {_css_string(str(exc))}; display: block; color: #b91c1c; "
+        "font-size: 0.85em; padding: 4px 2px 0; white-space: normal; }</style>"
+    )
+    label = escape(LABELS.get(exc.field, exc.field))
+    return (
+        f'<div class="sa-form-error" role="alert" data-field="{escape(exc.field, quote=True)}">{style}'
+        f"⚠ <b>{label}</b>: {message}</div>"
+    )

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from engine.errors import UserError
-from engine.models import BUNDLED
+from engine.settings import BUNDLED
 
 
 def add_pair_args(p: argparse.ArgumentParser) -> None:
@@ -83,30 +83,18 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
-def request_from(args: argparse.Namespace, **overrides):
-    from engine.compare import Request
-    from engine.sampling import SamplingConfig
+def settings_from(args: argparse.Namespace, **overrides):
+    """The command line's options as Settings (the same names the app and the API use)."""
+    from engine.settings import Settings
 
     drafter = args.drafter or ("draft-model" if args.draft else "prompt-lookup")
-    sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
-    fields = dict(
-        prompt=getattr(args, "prompt", "") or "",
-        target=args.target,
-        draft=args.draft,
-        drafter=drafter,
-        gamma=getattr(args, "gamma", 4),
-        max_new_tokens=args.max_new_tokens,
-        sampling=sampling,
-        chat=args.chat,
-        dtype=args.dtype,
-        device=args.device,
-        ngram=args.ngram,
-        alpha=args.alpha,
-        adaptive=args.adaptive,
-        compile=args.compile,
-    )
-    fields.update(overrides)
-    return Request(**fields)
+    values = dict(
+        target=args.target, draft=args.draft or "", drafter=drafter, gamma=getattr(args, "gamma", 4),
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, chat=args.chat, dtype=args.dtype, device=args.device, ngram=args.ngram, alpha=args.alpha,
+        adaptive=args.adaptive, compile=args.compile,
+    )  # fmt: skip
+    return Settings(**(values | overrides))
 
 
 def _fmt(value, spec: str = ".2f", none: str = "-") -> str:
@@ -115,9 +103,9 @@ def _fmt(value, spec: str = ".2f", none: str = "-") -> str:
 
 def summary(result) -> str:
     """A short table for people; the JSON carries everything."""
-    req, b, s = result.request, result.baseline.metrics, result.speculative.metrics
+    req, b, s = result.settings, result.baseline.metrics, result.speculative.metrics
     env = result.environment
-    sampling = "greedy" if req.sampling.greedy else f"temperature {req.sampling.temperature}"
+    sampling = "greedy" if req.sampling.greedy else f"temperature {req.temperature}"
     lines = [
         f"target {req.target} on {env['device']} ({env['dtype']}), drafter {req.drafter}"
         + (f" {req.draft}" if req.draft else "")
@@ -142,7 +130,7 @@ def summary(result) -> str:
 def cmd_run(args) -> int:
     from engine.compare import compare
 
-    result = compare(request_from(args))
+    result = compare(settings_from(args), args.prompt)
     print(json.dumps(result.to_dict()) if args.json else summary(result))
     return 0
 
@@ -177,7 +165,7 @@ def cmd_bench(args) -> int:
     temperatures = _numbers(args.temperature, float, "temperature")
     gammas = _numbers(args.gamma, int, "gamma")
     args.temperature = temperatures[0]
-    base = request_from(args, gamma=gammas[0], prompt="-")
+    base = settings_from(args, gamma=gammas[0])
     prompts = bench_prompts(args)
     try:
         if args.compare == "hf":
@@ -204,6 +192,9 @@ def _spread(s: dict, spec: str = ".2f", suffix: str = "") -> str:
     return f"{s['median']:{spec}}{suffix} ({s['min']:{spec}}-{s['max']:{spec}})"
 
 
+IDENTICAL = {True: "yes", False: "NO", None: "- (sampled)"}
+
+
 def sweep_table(data: dict) -> str:
     env = data["environment"]
     lines = [f"{data['settings']['target']} on {env['device_name']} ({env['dtype']}), "
@@ -215,7 +206,7 @@ def sweep_table(data: dict) -> str:
         lines.append(
             f"{c['drafter']:15}{c['gamma']:>6}{c['temperature']:>6}  {_spread(c['speedup'], '.2f', 'x'):22}"
             f"{'-' if accept is None else f'{accept:.2f}':>8}{c['baseline_tps']['median']:>12.1f}"
-            f"{c['speculative_tps']['median']:>12.1f}  {'yes' if c['all_identical'] else 'NO'}"
+            f"{c['speculative_tps']['median']:>12.1f}  {IDENTICAL[c['all_identical']]}"
         )
         if len(c["by_category"]) > 1:
             for name, stats in c["by_category"].items():

@@ -13,21 +13,11 @@ import threading
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
-from engine.compare import (
-    TAKES_DRAFT,
-    Pair,
-    Request,
-    environment,
-    guarded,
-    pair_of,
-    prompt_ids,
-    result_of,
-    run_baseline,
-    run_speculative,
-    warm_up,
-)
+from engine.backends import guarded
+from engine.compare import open_backend, result_of, run, warm_up
 from engine.errors import UserError
 from engine.metrics import RunResult, position_counts
+from engine.settings import TAKES_DRAFT, Settings
 
 Progress = Callable[[int, int, str], None]  # (done, total, what)
 
@@ -92,6 +82,12 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def _all_identical(samples: list[Sample]) -> bool | None:
+    """Greedy pairs: were all of them identical? None for sampled pairs, which are never compared."""
+    compared = [s.identical for s in samples if s.identical is not None]
+    return all(compared) if compared else None
+
+
 def _stats(samples: list[Sample]) -> dict:
     return {
         "speedup": spread([s.speedup for s in samples]),
@@ -99,7 +95,7 @@ def _stats(samples: list[Sample]) -> dict:
         "mean_accepted_length": spread([s.mean_accepted_length for s in samples]),
         "baseline_tps": spread([s.baseline_tps for s in samples]),
         "speculative_tps": spread([s.speculative_tps for s in samples]),
-        "all_identical": all(s.identical is not False for s in samples),
+        "all_identical": _all_identical(samples),
     }
 
 
@@ -120,67 +116,72 @@ class Cell:
 
 
 class Session:
-    """A loaded pair plus the settings every measurement shares; runs A/B pairs on demand."""
+    """An opened backend plus the settings every measurement shares; runs A/B pairs on demand."""
 
-    def __init__(self, base: Request, progress: Progress = _quiet, stop: threading.Event | None = None):
+    def __init__(self, base: Settings, progress: Progress = _quiet, stop: threading.Event | None = None):
         self.base = base.validate()
         self.progress, self.stop = progress, stop
-        self.pair: Pair = pair_of(base)
-        self.environment = environment(self.pair.target)
+        self.backend = open_backend(base)
+        self.environment = self.backend.environment
         self._references: dict[tuple, list[int]] = {}
         self._warm: set[tuple] = set()
 
-    def with_draft(self, req: Request) -> "Session":
-        """The draft model is loaded only once a cell that uses it comes up (its request names it)."""
-        if req.uses_draft and self.pair.draft is None:
-            self.pair = pair_of(req)
+    def with_draft(self, s: Settings) -> "Session":
+        """The draft model is loaded only once a cell that uses it comes up (its settings name it)."""
+        if s.uses_draft and self.backend.pair.draft is None:
+            self.backend = open_backend(s)
         return self
 
     def check_stop(self) -> None:
         if self.stop is not None and self.stop.is_set():
             raise Stopped()
 
+    def baseline(self, ids: list[int], s: Settings) -> RunResult:
+        return result_of(run("baseline", self.backend.baseline(ids, s), self.backend.decode))
+
+    def speculative(self, ids: list[int], s: Settings, reference: list[int]) -> RunResult:
+        return result_of(run("speculative", self.backend.speculative(ids, s, reference), self.backend.decode))
+
     def reference(self, prompt: str, ids: list[int]) -> list[int]:
         """The target's greedy continuation, for the synthetic drafter (computed once per prompt)."""
         key = (prompt, self.base.max_new_tokens)
         if key not in self._references:
-            greedy = replace(self.base, prompt=prompt, sampling=replace(self.base.sampling, temperature=0.0))
-            self._references[key] = result_of(run_baseline(self.pair, ids, greedy)).token_ids
+            self._references[key] = self.baseline(ids, replace(self.base, temperature=0.0)).token_ids
         return self._references[key]
 
-    def ab(self, req: Request, prompt_index: int, repeats: int) -> list[Sample]:
-        """`repeats` A/B pairs on one prompt, alternating which side runs first."""
-        self.with_draft(req)
-        ids = prompt_ids(req, self.pair)
-        reference = self.reference(req.prompt, ids) if req.drafter == "synthetic" else []
-        key = (req.prompt, req.drafter, req.gamma, req.sampling.temperature)
+    def ab(self, s: Settings, prompt: str, prompt_index: int, repeats: int) -> list[Sample]:
+        """`repeats` A/B pairs on one prompt, alternating which side runs first. A warm-up comes first
+        whenever the drafter, gamma, temperature or prompt changes."""
+        self.with_draft(s)
+        ids = self.backend.encode(prompt, s)
+        reference = self.reference(prompt, ids) if s.drafter == "synthetic" else []
+        key = (prompt, s.drafter, s.gamma, s.temperature)
         with guarded():
             if key not in self._warm:
-                warm_up(self.pair, ids, req)
+                warm_up(self.backend, ids, s)
                 self._warm.add(key)
             samples = []
             for r in range(repeats):
                 self.check_stop()
-                seeded = replace(req, sampling=replace(req.sampling, seed=(req.sampling.seed or 0) + r))
+                seeded = replace(s, seed=(s.seed or 0) + r)
                 if r % 2 == 0:
-                    base = result_of(run_baseline(self.pair, ids, seeded))
-                    spec = result_of(run_speculative(self.pair, ids, seeded, reference))
+                    base = self.baseline(ids, seeded)
+                    spec = self.speculative(ids, seeded, reference)
                 else:
-                    spec = result_of(run_speculative(self.pair, ids, seeded, reference))
-                    base = result_of(run_baseline(self.pair, ids, seeded))
+                    spec = self.speculative(ids, seeded, reference)
+                    base = self.baseline(ids, seeded)
                 order = "AB" if r % 2 == 0 else "BA"
-                samples.append(Sample.of(prompt_index, r, order, base, spec, req.sampling.greedy))
+                samples.append(Sample.of(prompt_index, r, order, base, spec, s.sampling.greedy))
         return samples
 
 
-def _cell_request(base: Request, drafter: str, gamma: int, temperature: float, prompt: str) -> Request:
-    sampling = replace(base.sampling, temperature=temperature)
-    draft = base.draft if drafter in TAKES_DRAFT else None
-    return replace(base, drafter=drafter, draft=draft, gamma=gamma, sampling=sampling, prompt=prompt).validate()
+def _cell_settings(base: Settings, drafter: str, gamma: int, temperature: float) -> Settings:
+    draft = base.draft if drafter in TAKES_DRAFT else ""
+    return replace(base, drafter=drafter, draft=draft, gamma=gamma, temperature=temperature).validate()
 
 
 def sweep(
-    base: Request,
+    base: Settings,
     prompts: dict[str, list[str]],
     gammas: list[int],
     temperatures: list[float],
@@ -202,14 +203,14 @@ def sweep(
         raise UserError("the sweep includes the draft-model drafter but no draft model is set.")
     grid = [(d, g, t) for d in drafters for t in temperatures for g in gammas]
     for d, g, t in grid:  # every cell's settings are checked before hours of measuring start
-        _cell_request(base, d, g, t, flat[0][1])
-    session = Session(_cell_request(base, *grid[0], flat[0][1]), progress, stop)
+        _cell_settings(base, d, g, t)
+    session = Session(_cell_settings(base, *grid[0]), progress, stop)
     total, done, cells = len(grid) * len(flat), 0, []
     for drafter, gamma, temperature in grid:
         samples = []
         for i, (category, prompt) in enumerate(flat):
             progress(done, total, f"{drafter}, gamma {gamma}, temperature {temperature}: {category} {i + 1}")
-            samples += session.ab(_cell_request(base, drafter, gamma, temperature, prompt), i, repeats)
+            samples += session.ab(_cell_settings(base, drafter, gamma, temperature), prompt, i, repeats)
             done += 1
         categories = [c for c, _ in flat for _ in range(repeats)]
         cells.append(Cell(drafter, gamma, temperature, samples, categories))
@@ -231,12 +232,5 @@ def sweep(
     }
 
 
-def request_settings(base: Request) -> dict:
-    """The request's settings as plain JSON-ready values, without the prompt (reports list prompts apart)."""
-    data = asdict(base)
-    data.pop("prompt")
-    return data
-
-
-def _settings(base: Request, prompts: list[tuple[str, str]], repeats: int) -> dict:
-    return request_settings(base) | {"prompts": [{"category": c, "prompt": p} for c, p in prompts], "repeats": repeats}
+def _settings(base: Settings, prompts: list[tuple[str, str]], repeats: int) -> dict:
+    return base.to_dict() | {"prompts": [{"category": c, "prompt": p} for c, p in prompts], "repeats": repeats}

@@ -9,18 +9,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import psutil
 import torch
 
-from engine import random_models
-from engine.models import (
-    context_length,
-    load_tokenizer,
-    resolve,
-    resolve_device,
-    resolve_dtype,
-    trust_remote_code,
-)
+from engine import random_models, sizing
+from engine.models import load_tokenizer, resolve, resolve_device, resolve_dtype, trust_remote_code
+from engine.sizing import context_length, kv_bytes_per_token
 
 PROBES = ["Hello, world! 123", "def f(x):\n    return x * 2", "Ünïcödé — 日本語 🙂"]
 RANK = {"ok": 0, "note": 1, "warn": 2, "fail": 3}
@@ -40,25 +33,6 @@ def _config(spec: str):
     if source.shape:
         return random_models.config(source.shape)
     return AutoConfig.from_pretrained(source.location, revision=source.revision, trust_remote_code=trust_remote_code())
-
-
-def count_params(config) -> int:
-    """Parameters of a model built from its config on the meta device: no memory, no weights."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code())
-    return sum(p.numel() for p in model.parameters())
-
-
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    cfg = config.get_text_config()
-    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 0)
-    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", 1)
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0)
-    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
-    return 2 * layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
 def vocab_check(target_tok, draft_tok) -> Check:
@@ -96,12 +70,6 @@ def tokenizer_checks(target_tok, draft_tok) -> list[Check]:
     return checks
 
 
-def free_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return psutil.virtual_memory().available
-
-
 def diagnose(target: str, draft: str | None = None, dtype: str = "auto", device: str = "auto",
              tokens: int = 2048) -> dict:  # fmt: skip
     """All checks for a pair (or a target alone); `tokens` sizes the KV cache (prompt + new tokens)."""
@@ -118,7 +86,7 @@ def diagnose(target: str, draft: str | None = None, dtype: str = "auto", device:
     checks.append(Check("context length", "note" if shorter else "ok",
                         ", ".join(f"{r} {c or 'unknown'}" for r, c in contexts.items())
                         + (f"; runs are limited to {min(known)} tokens" if known else "")))  # fmt: skip
-    params = {role: count_params(cfg) for role, cfg in configs.items()}
+    params = {role: sizing.count_params(cfg, trust_remote_code()) for role, cfg in configs.items()}
     if draft:
         ratio = params["target"] / max(params["draft"], 1)
         status = "ok" if ratio >= 4 else "warn"
@@ -129,7 +97,7 @@ def diagnose(target: str, draft: str | None = None, dtype: str = "auto", device:
     width = torch.finfo(dt).bits // 8
     weights = sum(params.values()) * width
     kv = sum(kv_bytes_per_token(cfg, dt) for cfg in configs.values()) * tokens
-    free = free_memory_bytes(dev)
+    free = sizing.free_memory_bytes(dev)
     need = weights + kv
     gib = 1024**3
     status = "ok" if need < 0.8 * free else "warn" if need < free else "fail"

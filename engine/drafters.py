@@ -20,6 +20,7 @@ import torch
 
 from engine.runtime import forward, new_cache
 from engine.sampling import SamplingConfig, logits_to_probs, sample
+from engine.settings import MAX_GAMMA
 
 
 @dataclass
@@ -30,15 +31,28 @@ class Draft:
 
 
 class Drafter(ABC):
+    """Proposes drafts and sizes them. `gamma` is the draft length; with `adaptive` it is where the
+    length starts, and `observe` moves it by transformers' heuristic schedule: +2 after a fully accepted
+    draft, -1 after a miss, within 1..MAX_GAMMA. Drafters with a better rule override `observe`."""
+
     name = "drafter"
-    sizes_own_drafts = False  # True: the drafter picks each draft's length itself, gamma is only a cap
+
+    def __init__(self, gamma: int = 4, adaptive: bool = False):
+        self.start, self.adaptive = gamma, adaptive
+        self.reset()
 
     def reset(self) -> None:
         """Forget any state from a previous run."""
+        self.gamma = self.start
 
     @abstractmethod
-    def propose(self, ids: list[int], gamma: int, cfg: SamplingConfig, generator: torch.Generator) -> Draft:
-        """Up to gamma tokens to follow `ids` (prompt + everything emitted so far)."""
+    def propose(self, ids: list[int], limit: int, cfg: SamplingConfig, generator: torch.Generator) -> Draft:
+        """Up to min(its draft length, limit) tokens to follow `ids` (prompt + everything emitted so far)."""
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """The target kept `accepted` of the `drafted` tokens just proposed."""
+        if self.adaptive and drafted:
+            self.gamma = min(self.gamma + 2, MAX_GAMMA) if accepted == drafted else max(1, self.gamma - 1)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -55,13 +69,14 @@ class DraftModel(Drafter):
 
     name = "draft-model"
 
-    def __init__(self, model, vocab_size: int, max_len: int | None = None):
+    def __init__(self, model, vocab_size: int, max_len: int | None = None, gamma: int = 4, adaptive: bool = False):
         self.model = model
         self.vocab_size = vocab_size  # the target's; q is cut or zero-padded to it
         self.max_len = max_len  # tokens the cache must hold: needed up front by a compiled model's static cache
-        self.reset()
+        super().__init__(gamma, adaptive)
 
     def reset(self) -> None:
+        super().reset()
         self.cache = None
         self.fed: list[int] = []  # token ids whose keys/values sit in self.cache, in order
 
@@ -83,7 +98,8 @@ class DraftModel(Drafter):
             return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
         return logits
 
-    def propose(self, ids, gamma, cfg, generator) -> Draft:
+    def propose(self, ids, limit, cfg, generator) -> Draft:
+        gamma = min(self.gamma, limit)
         feed = self._sync(ids)
         tokens: list[int] = []
         rows = []
@@ -120,29 +136,25 @@ class PromptLookup(Drafter):
     PRIOR_WEIGHT = 3.0
     MEMORY = 0.98  # evidence fades by this much per step, so a drafter that stopped drafting tries again
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, costs: list[float] | None = None):
+    def __init__(
+        self, max_ngram: int = 3, min_ngram: int = 1, costs: list[float] | None = None, gamma: int = 4,
+    ):  # fmt: skip
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram, self.costs = max_ngram, min_ngram, costs
-        self.reset()
-
-    @property
-    def sizes_own_drafts(self) -> bool:
-        return self.costs is not None
+        super().__init__(gamma, adaptive=costs is not None)
 
     def reset(self) -> None:
+        super().reset()
         self.first: dict[int, list[float]] = {}  # n-gram size -> [held, missed] first draft tokens seen
         self.follow = [0.0, 0.0]  # [held, missed] draft tokens after one that held
-        self.last: tuple[int, int, list[int]] | None = None  # (position, n-gram size, tokens) of the last draft
+        self.last_n = 0  # n-gram size behind the last draft
 
-    def propose(self, ids, gamma, cfg, generator) -> Draft:
-        tokens, n = self._lookup(ids, gamma)
-        if self.sizes_own_drafts:  # only then is there anything to learn or to cut
-            self._learn(ids)
-            if tokens:
-                tokens = tokens[: self._best_length(n, len(tokens))]
-            self.last = (len(ids), n, tokens) if tokens else None
-        return Draft(tokens)
+    def propose(self, ids, limit, cfg, generator) -> Draft:
+        if not self.adaptive:
+            return Draft(self._lookup(ids, min(self.gamma, limit))[0])
+        tokens, self.last_n = self._lookup(ids, min(MAX_GAMMA, limit))
+        return Draft(tokens[: self._best_length(self.last_n, len(tokens))] if tokens else [])
 
     def _lookup(self, ids: list[int], gamma: int) -> tuple[list[int], int]:
         """Up to gamma tokens after the longest n-gram that matches, and that n (0: no match)."""
@@ -156,22 +168,21 @@ class PromptLookup(Drafter):
                 return _agreed_continuation(ids, starts, gamma), n
         return [], 0
 
-    def _learn(self, ids: list[int]) -> None:
-        """Score the previous draft (the tokens now at its position are the ones the target kept),
-        after fading what was learnt before."""
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Fade what was learnt before, then score the last draft: did its first token hold, and how
+        far did it go on once it did."""
+        if not self.adaptive:
+            return
         for counts in (*self.first.values(), self.follow):
             counts[0] *= self.MEMORY
             counts[1] *= self.MEMORY
-        if self.last is None:
+        if not drafted:
             return
-        at, n, tokens = self.last
-        held = _common_prefix(tokens, ids[at:])
-        first = self.first.setdefault(n, [0.0, 0.0])
-        first[0 if held else 1] += 1
-        if held:
-            self.follow[0] += held - 1
-            self.follow[1] += held < len(tokens)
-        self.last = None
+        first = self.first.setdefault(self.last_n, [0.0, 0.0])
+        first[0 if accepted else 1] += 1
+        if accepted:
+            self.follow[0] += accepted - 1
+            self.follow[1] += accepted < drafted
 
     def _best_length(self, n: int, available: int) -> int:
         """The draft length with the most expected tokens per unit of target time; 0 = no draft."""
@@ -219,21 +230,22 @@ class Synthetic(Drafter):
 
     def __init__(
         self, prompt_len: int, reference: list[int], alpha: float, vocab_size: int, seed: int = 0,
-        pace: DraftModel | None = None,
+        pace: DraftModel | None = None, gamma: int = 4, adaptive: bool = False,
     ):  # fmt: skip
         if not 0 <= alpha <= 1:
             raise ValueError("alpha must be in [0, 1]")
         self.prompt_len, self.reference, self.alpha = prompt_len, list(reference), alpha
         self.vocab_size, self.seed, self.pace = vocab_size, seed, pace
-        self.reset()
+        super().__init__(gamma, adaptive)
 
     def reset(self) -> None:
+        super().reset()
         self.rng = torch.Generator().manual_seed(self.seed)
         if self.pace is not None:
             self.pace.reset()
 
-    def propose(self, ids, gamma, cfg, generator) -> Draft:
-        passes = 0
+    def propose(self, ids, limit, cfg, generator) -> Draft:
+        gamma, passes = min(self.gamma, limit), 0
         if self.pace is not None:  # greedy: the pacing passes must not draw from the run's random stream
             passes = self.pace.propose(ids, gamma, SamplingConfig(), generator).passes
         start = len(ids) - self.prompt_len

@@ -2,7 +2,14 @@
 
 
 class UserError(Exception):
-    """Bad input or an environment problem the user can fix (wrong model name, absurd values, ...)."""
+    """Bad input or an environment problem the user can fix (wrong model name, absurd values, ...).
+
+    `field` names the setting at fault (a Settings field name, or "prompt"), so a UI can mark that
+    field; None when no single field is to blame (a busy device, a server that died)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class OutOfMemory(UserError):

@@ -13,22 +13,21 @@ both sides use stock layers, to compare the decoding loops alone.
 from __future__ import annotations
 
 import statistics
-from dataclasses import replace
 
 import torch
 
-from engine.bench import Progress, Session, _quiet, request_settings, spread
-from engine.compare import Request, prompt_ids, result_of, run_baseline, run_speculative
+from engine.bench import Progress, Session, _quiet, spread
 from engine.errors import UserError
 from engine.models import MODELS
 from engine.predict import expected_tokens
 from engine.runtime import Clock, eos_ids
+from engine.settings import Settings
 
 CONTENDERS = ("hf_generate", "hf_assisted", "ours_baseline", "ours_speculative")
 
 
-def _hf_kwargs(session: Session, req: Request) -> dict:
-    target = session.pair.target
+def _hf_kwargs(session: Session, req: Settings) -> dict:
+    target = session.backend.pair.target
     kwargs = dict(max_new_tokens=req.max_new_tokens, eos_token_id=sorted(eos_ids(target.model, target.tokenizer)))
     kwargs["pad_token_id"] = target.tokenizer.pad_token_id or kwargs["eos_token_id"][0]
     if req.sampling.greedy:
@@ -39,11 +38,11 @@ def _hf_kwargs(session: Session, req: Request) -> dict:
     return kwargs
 
 
-def _plain(spec: str, req: Request):
+def _plain(spec: str, req: Settings):
     return MODELS.get(spec, req.dtype, req.device, pack=False).model
 
 
-def _assisted_kwargs(req: Request) -> dict:
+def _assisted_kwargs(req: Settings) -> dict:
     if req.drafter == "prompt-lookup":
         return dict(prompt_lookup_num_tokens=req.gamma, max_matching_ngram_size=req.ngram)
     draft = _plain(req.draft, req)
@@ -54,7 +53,7 @@ def _assisted_kwargs(req: Request) -> dict:
     return dict(assistant_model=draft)
 
 
-def _hf_run(req: Request, ids: list[int], kwargs: dict) -> tuple[float, list[int]]:
+def _hf_run(req: Settings, ids: list[int], kwargs: dict) -> tuple[float, list[int]]:
     model = _plain(req.target, req)
     inputs = torch.tensor([ids], device=model.device)
     clock = Clock(model.device)
@@ -66,20 +65,20 @@ def _hf_run(req: Request, ids: list[int], kwargs: dict) -> tuple[float, list[int
     return len(new) / elapsed, new
 
 
-def compare_hf(base: Request, prompts: list[str], repeats: int = 3, progress: Progress = _quiet, stop=None) -> dict:
+def compare_hf(base: Settings, prompts: list[str], repeats: int = 3, progress: Progress = _quiet, stop=None) -> dict:
     """Speeds of the four contenders, their ratios (median, min, max) and ours measured vs predicted."""
     if base.drafter == "synthetic":
         raise UserError("HF has no synthetic drafter: compare with --drafter prompt-lookup or a --draft model.")
-    session = Session(replace(base, prompt=prompts[0]), progress, stop)
+    req = base.validate()
+    session = Session(req, progress, stop)
     rows, total = [], len(prompts) * repeats
     for i, prompt in enumerate(prompts):
-        req = replace(base, prompt=prompt).validate()
-        ids = prompt_ids(req, session.pair)
+        ids = session.backend.encode(prompt, req)
         runners = {
             "hf_generate": lambda: _hf_run(req, ids, _hf_kwargs(session, req)),
             "hf_assisted": lambda: _hf_run(req, ids, _hf_kwargs(session, req) | _assisted_kwargs(req)),
-            "ours_baseline": lambda: _ours(run_baseline(session.pair, ids, req)),
-            "ours_speculative": lambda: _ours(run_speculative(session.pair, ids, req, [])),
+            "ours_baseline": lambda: _ours(session.baseline(ids, req)),
+            "ours_speculative": lambda: _ours(session.speculative(ids, req, [])),
         }
         for name in CONTENDERS:  # warm-up
             runners[name]()
@@ -92,7 +91,7 @@ def compare_hf(base: Request, prompts: list[str], repeats: int = 3, progress: Pr
     progress(total, total, "done")
     return {
         "kind": "compare_hf",
-        "settings": request_settings(base) | {"prompts": prompts, "repeats": repeats},
+        "settings": base.to_dict() | {"prompts": prompts, "repeats": repeats},
         "environment": session.environment,
         "ratios": {key: spread([row[key] for row in rows]) for key in RATIOS},
         "speeds": {name: spread([row[name]["tokens_per_s"] for row in rows]) for name in CONTENDERS},
@@ -108,8 +107,7 @@ RATIOS = {
 }
 
 
-def _ours(updates) -> tuple[float, list[int], object]:
-    result = result_of(updates)
+def _ours(result) -> tuple[float, list[int], object]:
     m = result.metrics
     return m.new_tokens / m.total_s, result.token_ids, result
 

@@ -32,9 +32,9 @@ from engine import random_models
 from engine.cpu import pack_linears
 from engine.errors import OutOfMemory, UserError
 from engine.runtime import compile_decoding, measure_verify_costs
-from engine.speculative import MAX_GAMMA
+from engine.settings import BUNDLED, MAX_GAMMA
+from engine.sizing import context_length
 
-BUNDLED = "bundled:smollm2-135m-instruct"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -144,16 +144,6 @@ def bundled_folder(progress: Progress = _quiet) -> Path:
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)  # atomic: a half-written folder is never picked up
     return folder
-
-
-def context_length(config) -> int | None:
-    """The longest sequence a model config allows, under whichever name its architecture uses."""
-    cfg = config.get_text_config()
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(cfg, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 @dataclass
@@ -292,9 +282,8 @@ class ModelCache:
     ) -> LoadedModel:  # fmt: skip
         """A loaded model; pack=False keeps stock nn.Linear layers (the reference HF users run), compile=True
         runs its decode and verify passes through torch.compile (runtime.compile_decoding)."""
-        dev = resolve_device(device)
-        dt = resolve_dtype(dtype, dev)
-        key = ((spec or "").strip(), dt, str(dev), pack, compile)
+        key = self._key(spec, dtype, device, pack, compile)
+        dev, dt = torch.device(key[2]), key[1]
         with self._lock:
             if key in self._models:
                 self._models.move_to_end(key)
@@ -313,6 +302,17 @@ class ModelCache:
             while self.budget and len(self._models) > 1 and self.weight_bytes() > self.budget:
                 self._evict_oldest()
             return loaded
+
+    @staticmethod
+    def _key(spec: str, dtype: str, device: str, pack: bool = True, compile: bool = False) -> tuple:
+        dev = resolve_device(device)
+        return ((spec or "").strip(), resolve_dtype(dtype, dev), str(dev), pack, compile)
+
+    def drop(self, spec: str, dtype: str = "auto", device: str = "auto", pack: bool = True, compile: bool = False):
+        """Free one model now (e.g. a draft that turned out not to fit its target)."""
+        with self._lock:
+            if self._models.pop(self._key(spec, dtype, device, pack, compile), None) is not None:
+                free_memory()
 
     def weight_bytes(self) -> int:
         return sum(m.weight_bytes for m in self._models.values())

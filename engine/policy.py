@@ -14,7 +14,7 @@ from pathlib import Path
 
 from engine import presets
 from engine.errors import UserError
-from engine.models import BUNDLED
+from engine.settings import BUNDLED
 
 
 def allowed_models() -> set[str] | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 
 from engine.metrics import leviathan_speedup
-from engine.speculative import MAX_GAMMA
+from engine.settings import MAX_GAMMA
 
 
 def expected_tokens(alphas: list[float], alpha: float, gamma: int) -> float:

@@ -20,6 +20,7 @@ import functools
 
 import torch
 
+from engine import sizing
 from engine.errors import OutOfMemory, UserError
 
 PREFIX = "random:"
@@ -74,17 +75,15 @@ def build(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
     """(model, tokenizer), the weights initialised on `device` in `dtype`, after checking they fit there."""
     from transformers import AutoModelForCausalLM
 
-    from engine.doctor import count_params, free_memory_bytes
-
     cfg = config(shape)
-    params = count_params(cfg)
+    params = sizing.count_params(cfg)
     if device.type == "cpu" and params > CPU_MAX_PARAMS:
         raise UserError(
             f"{PREFIX}{shape} is a GPU measurement tool: on a CPU one token would take seconds to minutes. "
             f"Run it with a CUDA GPU, or use {PREFIX}llama-3.2-1b or {PREFIX}smollm2-135m here."
         )
     need = params * torch.finfo(dtype).bits // 8
-    free = free_memory_bytes(device)
+    free = sizing.free_memory_bytes(device)
     if need > 0.9 * free:
         dt = str(dtype).replace("torch.", "")
         raise OutOfMemory(

@@ -11,42 +11,62 @@ import io
 import json
 from pathlib import Path
 
+from engine.settings import BUNDLED
+
 CSV_COLUMNS = [
     "drafter", "gamma", "temperature", "category", "speedup_median", "speedup_min", "speedup_max",
     "acceptance_median", "mean_accepted_length", "baseline_tps", "speculative_tps", "all_identical", "pairs",
 ]  # fmt: skip
 
 
+# What the bundled model is on the Hub: an engine elsewhere loads it by that name, not by ours.
+HUB_NAMES = {BUNDLED: "HuggingFaceTB/SmolLM2-135M-Instruct", "bundled": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+# llama.cpp's 2026 flags: --draft-max/--draft-min were removed in favour of these.
+LLAMA_CPP_NGRAM = "--spec-type ngram-simple --spec-ngram-simple-size-n {n} --spec-draft-n-max {gamma}"
+LLAMA_CPP_DRAFT = (
+    "-md {draft} --spec-type draft-simple --spec-draft-n-max {gamma} --spec-draft-n-min 0 --spec-draft-p-min 0"
+)
+
+
 def best_setting(report: dict) -> dict | None:
-    """The fastest measured cell: drafter, gamma, temperature, speedup."""
-    cells = [c for c in report.get("cells", []) if c["speedup"]["median"] is not None]
+    """The fastest measured cell of a real drafter: drafter, gamma, temperature, speedup. Synthetic cells are
+    a measuring tool (the target's own tokens, replayed), never a setting to deploy."""
+    cells = [c for c in report.get("cells", []) if c["speedup"]["median"] is not None and c["drafter"] != "synthetic"]
     if not cells:
         return None
     best = max(cells, key=lambda c: c["speedup"]["median"])
     return {k: best[k] for k in ("drafter", "gamma", "temperature")} | {"speedup": best["speedup"]["median"]}
 
 
+def hub_name(spec: str) -> str:
+    return HUB_NAMES.get(spec, spec)
+
+
 def snippets(report: dict) -> dict[str, str]:
-    """How to run the best setting elsewhere. Prompt lookup and a draft model map to different options."""
+    """How to run the best setting elsewhere, with the measured pair, gamma and n-gram size. Prompt lookup and
+    a draft model map to different options; llama.cpp wants GGUF files, named after the models."""
     best = best_setting(report)
     if best is None:
         return {}
     s = report["settings"]
-    target, draft, gamma, ngram = s["target"], s.get("draft") or "DRAFT_MODEL", best["gamma"], s.get("ngram", 3)
+    target, gamma, ngram = hub_name(s["target"]), best["gamma"], s.get("ngram", 3)
+    gguf = f"{target.split('/')[-1]}.gguf"
     if best["drafter"] == "prompt-lookup":
         return {
             "transformers": f"model.generate(**inputs, prompt_lookup_num_tokens={gamma}, "
             f"max_matching_ngram_size={ngram})",
             "vllm": f'LLM(model="{target}", speculative_config={{"method": "ngram", '
             f'"num_speculative_tokens": {gamma}, "prompt_lookup_max": {ngram}, "prompt_lookup_min": 1}})',
-            "llama.cpp": f"llama-server -m target.gguf --spec-type ngram-simple --draft-max {gamma}",
+            "llama.cpp": f"llama-server -m {gguf} " + LLAMA_CPP_NGRAM.format(n=ngram, gamma=gamma),
         }
+    draft = hub_name(s["draft"])
     return {
         "transformers": f'draft = AutoModelForCausalLM.from_pretrained("{draft}")\n'
         f"model.generate(**inputs, assistant_model=draft, num_assistant_tokens={gamma}, "
         'num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)',
         "vllm": f'LLM(model="{target}", speculative_config={{"model": "{draft}", "num_speculative_tokens": {gamma}}})',
-        "llama.cpp": f"llama-server -m target.gguf -md draft.gguf --draft-max {gamma} --draft-min 1",
+        "llama.cpp": f"llama-server -m {gguf} "
+        + LLAMA_CPP_DRAFT.format(draft=f"{draft.split('/')[-1]}.gguf", gamma=gamma),
     }
 
 
@@ -74,7 +94,7 @@ def to_csv(report: dict) -> str:
 def snippets_markdown(report: dict) -> str:
     best = best_setting(report)
     if best is None:
-        return "No measured setting.\n"
+        return "No setting to take elsewhere: only synthetic cells (a measuring tool) were measured.\n"
     lines = [f"# Best setting: {best['drafter']}, gamma {best['gamma']}, temperature {best['temperature']}: "
              f"{best['speedup']:.2f}x measured\n"]  # fmt: skip
     for fit in report.get("fits", []):

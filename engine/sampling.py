@@ -34,13 +34,13 @@ class SamplingConfig:
 
     def validate(self) -> "SamplingConfig":
         if not 0 <= self.temperature <= 2:
-            raise UserError(f"temperature {self.temperature} is out of range: use 0 (greedy) to 2.")
+            raise UserError(f"temperature {self.temperature} is out of range: use 0 (greedy) to 2.", "temperature")
         if not 0 < self.top_p <= 1:
-            raise UserError(f"top-p {self.top_p} is out of range: use a value in (0, 1]; 1 turns it off.")
+            raise UserError(f"top-p {self.top_p} is out of range: use a value in (0, 1]; 1 turns it off.", "top_p")
         if self.top_k < 0 or int(self.top_k) != self.top_k:
-            raise UserError(f"top-k {self.top_k} is invalid: use a whole number >= 0; 0 turns it off.")
+            raise UserError(f"top-k {self.top_k} is invalid: use a whole number >= 0; 0 turns it off.", field="top_k")
         if self.seed is not None and (int(self.seed) != self.seed or not 0 <= self.seed < 2**63):
-            raise UserError(f"seed {self.seed} is invalid: use a whole number >= 0.")
+            raise UserError(f"seed {self.seed} is invalid: use a whole number >= 0.", field="seed")
         return self
 
     def generator(self, device: torch.device) -> torch.Generator:

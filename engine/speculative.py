@@ -27,8 +27,6 @@ from engine.metrics import StepEvent
 from engine.runtime import Clock, TextStream, emit, forward, prefill
 from engine.sampling import SamplingConfig, verify
 
-MAX_GAMMA = 16  # the longest draft: the UI's bound, adaptive gamma's ceiling, the predictor's range
-
 
 @torch.inference_mode()  # per resumption: a UI may resume this generator on another thread
 def speculative_decode(
@@ -36,19 +34,13 @@ def speculative_decode(
     tokenizer,
     prompt_ids: list[int],
     drafter: Drafter,
-    gamma: int,
     cfg: SamplingConfig,
     max_new_tokens: int,
     eos: set[int],
     stop: threading.Event | None = None,
-    adaptive: bool = False,
 ) -> Iterator[StepEvent]:
-    """Yield one StepEvent per target pass until EOS, max_new_tokens or `stop`.
-
-    With `adaptive`, gamma follows transformers' heuristic schedule: +2 after a fully accepted draft,
-    -1 after a rejection, between 1 and MAX_GAMMA, unless the drafter sizes its own drafts (prompt
-    lookup with measured costs), when gamma is only the cap.
-    """
+    """Yield one StepEvent per target pass until EOS, max_new_tokens or `stop`. The drafter sizes each
+    draft (engine.drafters) and hears after each step how much of it the target kept."""
     clock = Clock(target.device)
     generator = cfg.generator(target.device)
     stream = TextStream(tokenizer)
@@ -69,7 +61,7 @@ def speculative_decode(
         t0 = clock.now()
 
         # 1. draft: never more than fits, since the target adds one token of its own
-        draft = drafter.propose(ids, min(gamma, room - 1), cfg, generator)
+        draft = drafter.propose(ids, room - 1, cfg, generator)
         t1 = clock.now()
 
         # 2. verify: the last emitted token plus the draft, one target pass
@@ -82,15 +74,14 @@ def speculative_decode(
         verdict = verify(drafted, logits, draft.probs, cfg, generator)
         n = verdict.accepted
         tokens, pieces, finished = emit(stream, draft.tokens[:n] + [verdict.token], eos, room)
-        rejected = [tokenizer.decode([t]) for t in draft.tokens[n:]]
 
         # 4. roll back: the cache now holds [last, x_1..x_k]; keep [last, x_1..x_n]
         if k > n:
             cache.crop(n - k)
+        drafter.observe(k, n)
         t3 = clock.now()
 
-        if adaptive and k and not drafter.sizes_own_drafts:
-            gamma = min(gamma + 2, MAX_GAMMA) if n == k else max(1, gamma - 1)
+        rejected = [tokenizer.decode([t]) for t in draft.tokens[n:]]  # for display only: outside the clocks
         elapsed += t3 - t0
         ids += tokens
         produced += len(tokens)

@@ -27,74 +27,128 @@ def run_handler(values, session="s1"):
     return list(handlers.compare(**values, request=SimpleNamespace(session_hash=session)))
 
 
+def run_until_error(values, session="s1"):
+    """The outputs the handler yielded before it raised, and the error."""
+    outputs = []
+    with pytest.raises(gr.Error) as err:
+        for out in handlers.compare(**values, request=SimpleNamespace(session_hash=session)):
+            outputs.append(out)
+    return outputs, err.value
+
+
+def test_settings_have_one_named_shape_across_form_api_and_cli():
+    from engine.__main__ import parser, settings_from
+    from engine.settings import Settings
+
+    # the form and the API carry every setting but the operator's
+    assert set(handlers.API_FIELDS) == set(Settings.names()) - {"device", "compile", "warmup", "backend"}
+    args = parser().parse_args(["run", "--prompt", "x", "--gamma", "6", "--temperature", "0.5", "--seed", "3"])
+    cli = settings_from(args)
+    form = Settings.from_form(gamma=6.0, temperature=0.5, seed=3.0, draft=None, chat=None)
+    assert cli == form  # the same Settings from command-line strings and from form floats
+
+
 def test_compare_streams_and_ends_with_a_lossless_result(model_dirs):
     outputs = run_handler(ui_values(model_dirs))
     assert len(outputs) > 3  # loading, warm-up, streaming updates, final
-    result, status, base_pane, spec_pane, summary, chart, history, table, files = outputs[-1]
-    assert result["identical"] is True
+    result, status, base_pane, spec_pane, summary, chart, history, table, files, error = outputs[-1]
+    assert result["identical"] is True and result["status"] == "done"
     assert result["baseline"]["text"] == result["speculative"]["text"]
     assert result["speculative"]["metrics"]["new_tokens"] == 30
     assert "sa-acc" in spec_pane and ("sa-cor" in spec_pane or "sa-bon" in spec_pane)
     assert "outputs identical" in summary
-    assert len(history) == 1 and history[0][1] == model_dirs["target"]
+    assert status.startswith("run 1 · done in ") and error == ""
+    assert len(history) == 1 and history[0][1:3] == ["done", model_dirs["target"]]
     figure = json.loads(chart.plot)
     assert {t["type"] for t in figure["data"]} == {"scatter", "bar"}
     run_json, history_csv = files
     saved = json.loads(open(run_json).read())
-    assert {"settings", "environment", "baseline", "speculative"} <= set(saved)
+    assert {"status", "settings", "prompt", "environment", "baseline", "speculative"} <= set(saved)
     assert saved["speculative"]["steps"] and saved["environment"]["torch"]
-    assert open(history_csv).read().startswith("time,target,drafter")
+    assert open(history_csv).read().startswith("time,status,target,drafter")
 
 
 def test_history_accumulates_across_runs(model_dirs):
     first = run_handler(ui_values(model_dirs, max_new_tokens=5))[-1][6]
-    second = run_handler(ui_values(model_dirs, max_new_tokens=5, drafter="prompt-lookup", history=first))[-1][6]
-    assert [row[2] for row in second] == ["draft-model", "prompt-lookup"]
+    second = run_handler(ui_values(model_dirs, max_new_tokens=5, drafter="prompt-lookup", history=first))[-1]
+    assert [row[3] for row in second[6]] == ["draft-model", "prompt-lookup"]
+    assert second[1].startswith("run 2 · done")
 
 
 @pytest.mark.parametrize(
-    "over, message",
+    "over, field, message",
     [
-        (dict(prompt="  "), "prompt is empty"),
-        (dict(gamma=0), "gamma 0 is out of range"),
-        (dict(temperature=2.5), "temperature"),
-        (dict(top_k=1.5), "not a whole number"),
-        (dict(target="/no/such/dir"), "operator's models folder"),
-        (dict(draft=""), "needs a draft model"),
+        (dict(prompt="  "), "prompt", "prompt is empty"),
+        (dict(gamma=0), "gamma", "gamma 0 is out of range"),
+        (dict(temperature=2.5), "temperature", "temperature 2.5 is out of range"),
+        (dict(temperature=None), "temperature", "temperature is empty"),
+        (dict(top_k=1.5), "top_k", "not a whole number"),
+        (dict(max_new_tokens=100000), "max_new_tokens", "max new tokens 100000 is out of range"),
+        (dict(drafter="bogus"), "drafter", "'bogus' is unknown"),
+        (dict(target="/no/such/dir"), "target", "operator's models folder"),
+        (dict(draft=""), "draft", "draft model is empty"),
+        (dict(alpha="lots"), "alpha", "is not a number"),
     ],
 )
-def test_bad_input_raises_a_clear_gradio_error(model_dirs, over, message):
-    with pytest.raises(gr.Error) as err:
-        run_handler(ui_values(model_dirs, **over))
-    assert message in str(err.value)
+def test_bad_input_names_its_field_in_the_error_and_on_the_form(model_dirs, over, field, message):
+    outputs, err = run_until_error(ui_values(model_dirs, **over))
+    assert message in str(err) and f"(field: {field})" in str(err)
+    marked = outputs[-1][-1]  # the field-error output: the message on that field, and a red outline
+    assert f'data-field="{field}"' in marked and f"#field-{field}" in marked and "outline" in marked
+    assert outputs[-1][1].startswith("not started")  # no run was counted
 
 
-def test_mismatched_vocabulary_is_reported(model_dirs):
-    with pytest.raises(gr.Error) as err:
-        run_handler(ui_values(model_dirs, draft=model_dirs["other-vocab"]))
-    assert "vocabulary" in str(err.value)
+def test_a_failed_run_is_counted_and_its_draft_freed(model_dirs):
+    from engine.models import MODELS
+
+    outputs, err = run_until_error(ui_values(model_dirs, draft=model_dirs["other-vocab"]))
+    assert "vocabulary" in str(err) and "(field: draft)" in str(err)
+    status, history, error = outputs[-1][1], outputs[-1][6], outputs[-1][-1]
+    assert status.startswith("run 1 · failed: ") and 'data-field="draft"' in error
+    assert history[0][1] == "failed"
+    assert model_dirs["other-vocab"] not in [m.spec for m in MODELS.loaded()]  # refused, so not kept in memory
+    # the next run counts on
+    assert run_handler(ui_values(model_dirs, max_new_tokens=4, history=history))[-1][1].startswith("run 2 · done")
 
 
-def test_stop_ends_this_session_only(model_dirs):
+def stop_when(model_dirs, phase: str, session: str) -> list:
+    """A run that is stopped once `phase` shows in its status line; its outputs."""
     values = ui_values(model_dirs, max_new_tokens=200, prompt="stop me")
     seen, done = [], threading.Event()
 
     def consume():
-        for out in handlers.compare(**values, request=SimpleNamespace(session_hash="stopper")):
+        for out in handlers.compare(**values, request=SimpleNamespace(session_hash=session)):
             seen.append(out)
-            if "running baseline" in str(out[1]) and handlers.STOPS.stop("other-session") is False:
-                handlers.STOPS.stop("stopper")
+            if phase in str(out[1]) and handlers.STOPS.stop("other-session") is False:
+                handlers.STOPS.stop(session)
         done.set()
 
     thread = threading.Thread(target=consume)
     thread.start()
     assert done.wait(120)
-    result = seen[-1][0]
+    return seen
+
+
+def test_stop_in_the_baseline_ends_the_comparison_there(model_dirs):
+    seen = stop_when(model_dirs, "running baseline", "stopper")
+    result, status, summary, history = seen[-1][0], seen[-1][1], seen[-1][4], seen[-1][6]
+    assert result["status"] == "stopped" and result["speculative"] is None  # no speculative run after a stop
     assert result["baseline"]["metrics"]["finish_reason"] == "stopped"
     assert result["baseline"]["metrics"]["new_tokens"] < 200
-    assert "stopped by user" in seen[-1][1]
+    assert result["identical"] is None and result["speedup"] is None
+    assert "stopped" in status and "not compared" in summary and "outputs differ" not in summary
+    assert history[-1][1] == "stopped" and history[-1][8] is None  # no speedup recorded
     # the next run is unaffected
     assert run_handler(ui_values(model_dirs, max_new_tokens=4), "stopper")[-1][0]["identical"] is True
+
+
+def test_stop_in_the_speculative_run_is_not_a_difference(model_dirs):
+    seen = stop_when(model_dirs, "running speculative", "stopper2")
+    result, spec_pane, summary = seen[-1][0], seen[-1][3], seen[-1][4]
+    assert result["speculative"]["metrics"]["finish_reason"] == "stopped"
+    assert result["speculative"]["metrics"]["new_tokens"] < result["baseline"]["metrics"]["new_tokens"]
+    assert result["identical"] is None and result["speedup"] is None
+    assert "outputs differ" not in spec_pane + summary and "not compared" in summary
 
 
 def test_model_output_is_escaped():
@@ -118,14 +172,28 @@ def test_colours_follow_token_origin():
     assert html.count("sa-acc") == 2 and html.count("sa-bon") == 1 and html.count("sa-cor") == 1
     assert html.count("sa-rej") == 2 and html.count("sa-tgt") == 1
     assert "p=0.900 q=1.000" in html
+    # only the first rejected draft token was tested; the one after it was never checked
+    assert html.count("sa-unk") == 1 and html.count(": rejected,") == 1 and "not checked" in html
+    # a token with no text (EOS at the end) gets no span, not an empty coloured blob
+    eos = StepEvent(3, "bonus", [7, 1], ["f", ""], drafted=[7], p=[0.9], q=[1], accepted=1, token=1, token_p=0.8)
+    assert render.speculative_tokens([eos]).count("<span") == 1
 
 
-def test_clear_and_presets_and_memory_chart():
-    assert handlers.clear()[0] == {}
-    target, drafter, draft, gamma, dtype, alpha, note = handlers.apply_preset(
-        "Qwen2.5-7B-Instruct + Qwen2.5-0.5B-Instruct (GPU)"
-    )
-    assert (target, drafter, draft) == ("Qwen/Qwen2.5-7B-Instruct", "draft-model", "Qwen/Qwen2.5-0.5B-Instruct")
+def test_clear_resets_every_output_and_presets_fill_the_form(model_dirs):
+    cleared = handlers.clear()
+    result, status, base_pane, spec_pane, summary, chart, error = cleared
+    assert result == {} and status == "" and error == ""
+    assert "not started" in base_pane and "not started" in spec_pane and "Run a comparison" in summary
+    assert json.loads(chart.plot)["data"] == []
+    values = handlers.apply_preset("Qwen2.5-7B-Instruct + Qwen2.5-0.5B-Instruct (GPU)")
+    assert dict(zip(handlers.PRESET_FIELDS, values)) | {} == {
+        "target": "Qwen/Qwen2.5-7B-Instruct", "drafter": "draft-model", "draft": "Qwen/Qwen2.5-0.5B-Instruct",
+        "gamma": values[3], "dtype": values[4], "alpha": values[5],
+    }  # fmt: skip
+    assert len(values) == len(handlers.PRESET_FIELDS) + 1 and "Measured on" in values[-1]
+
+
+def test_memory_chart():
     samples = [{"t": 0.0, "used_mb": 10.0}, {"t": 1.0, "used_mb": 12.0}]
     figure = charts.memory_figure(samples, "process RSS", {"bundled": 513.0})
     assert figure["data"][0]["y"] == [10.0, 12.0]
@@ -133,19 +201,28 @@ def test_clear_and_presets_and_memory_chart():
     assert json.loads(handlers.memory_tick().plot)["layout"]["title"]["text"].startswith("memory")
 
 
+def lab_form(model_dirs, **over):
+    form = {k: v for k, v in ui_values(model_dirs).items() if k not in ("prompt", "history")}
+    return form | over
+
+
 def test_lab_sweep_handler_fills_tables_charts_and_report(model_dirs):
     from app import lab
 
     out = lab.run_sweep(
-        model_dirs["target"], model_dirs["draft"], "auto", True, 3, 0.8, 1.0, 0, 0, [1, 2], "0, 0.5",
-        ["draft-model", "prompt-lookup"], ["rewriting", "creative_writing"], 1, 1, 8,
-        request=SimpleNamespace(session_hash="lab"), progress=lambda *a, **k: None,
+        [1, 2], "0, 0.5", ["draft-model", "prompt-lookup"], ["rewriting", "creative_writing"], 1, 1, 8,
+        request=SimpleNamespace(session_hash="lab"), progress=lambda *a, **k: None, **lab_form(model_dirs),
     )  # fmt: skip
-    verdicts, cells, curve, categories_chart, categories, snippets, files = out
+    uses, verdicts, cells, curve, categories_chart, categories, snippets, files = out
+    assert model_dirs["target"] in uses and "dtype auto" in uses and "seed 0" in uses
+    assert "2 prompt(s) × 1 A/B pair(s) = 2 samples" in uses
     assert verdicts.count("- **") == 4  # a fit per drafter and temperature
-    assert len(cells) == 2 * 2 * 2
+    assert len(cells) == 2 * 2 * 2 and {row[6] for row in cells} == {2}  # samples per cell
+    assert {row[-1] for row in cells if row[2] == 0.5} == {"-"}  # sampled cells are not compared
+    assert {row[-1] for row in cells if row[2] == 0} == {True}
     assert {row[0] for row in categories} == {"rewriting", "creative_writing"}
     assert len(curve.data) == 3 * 4 and len(categories_chart.data) == 2
+    assert categories_chart.data[1].yaxis == "y2"  # acceptance on its own axis
     assert "## transformers" in snippets
     assert sorted(p.rsplit("/", 1)[1] for p in files) == ["charts.html", "report.csv", "report.json", "settings.md"]
     charts_html = open(next(p for p in files if p.endswith("charts.html"))).read()
@@ -155,12 +232,13 @@ def test_lab_sweep_handler_fills_tables_charts_and_report(model_dirs):
 def test_lab_sweep_reports_bad_settings(model_dirs):
     from app import lab
 
+    common = dict(request=SimpleNamespace(session_hash="lab"), progress=print)
     with pytest.raises(gr.Error, match="temperatures"):
-        lab.run_sweep(model_dirs["target"], "", "auto", True, 3, 0.8, 1.0, 0, 0, [1], "hot", ["prompt-lookup"],
-                      ["code"], 1, 1, 8, request=SimpleNamespace(session_hash="lab"), progress=print)  # fmt: skip
+        lab.run_sweep([1], "hot", ["prompt-lookup"], ["code"], 1, 1, 8, **common, **lab_form(model_dirs))
     with pytest.raises(gr.Error, match="at least one"):
-        lab.run_sweep(model_dirs["target"], "", "auto", True, 3, 0.8, 1.0, 0, 0, [], "0", ["prompt-lookup"],
-                      ["code"], 1, 1, 8, request=SimpleNamespace(session_hash="lab"), progress=print)  # fmt: skip
+        lab.run_sweep([], "0", ["prompt-lookup"], ["code"], 1, 1, 8, **common, **lab_form(model_dirs))
+    with pytest.raises(gr.Error, match=r"top-p .* \(field: top_p\)"):
+        lab.run_sweep([1], "0", ["prompt-lookup"], ["code"], 1, 1, 8, **common, **lab_form(model_dirs, top_p=3))
 
 
 def test_out_of_memory_in_generation_is_reported_and_the_next_run_works(model_dirs, monkeypatch):

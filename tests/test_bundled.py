@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.compare import Request, compare
-from engine.models import BUNDLED, MODELS
+from engine.compare import compare
+from engine.models import MODELS
 from engine.runtime import TextStream, encode_prompt
+from engine.settings import BUNDLED, Settings
 
 pytestmark = pytest.mark.bundled
 
@@ -34,9 +35,9 @@ def hf_generate(loaded, ids, n):
     [("prompt-lookup", 3), ("prompt-lookup", 6), ("draft-model", 4), ("synthetic", 5)],
 )
 def test_bundled_greedy_is_lossless(bundled, drafter, gamma):
-    req = Request(REWRITE, drafter=drafter, draft=BUNDLED if drafter == "draft-model" else None,
-                  gamma=gamma, max_new_tokens=24, alpha=0.6, warmup=False)  # fmt: skip
-    result = compare(req)
+    s = Settings(drafter=drafter, draft=BUNDLED if drafter == "draft-model" else "", gamma=gamma, max_new_tokens=24,
+                 alpha=0.6, warmup=False)  # fmt: skip
+    result = compare(s, REWRITE)
     ids = encode_prompt(bundled.tokenizer, REWRITE, chat=True)
     assert result.identical is True
     assert result.speculative.token_ids == result.baseline.token_ids == hf_generate(bundled, ids, 24)

@@ -48,7 +48,7 @@ def test_mismatched_vocabulary_fails_and_suggests_what_to_do(model_dirs):
 
 
 def test_memory_estimate_fails_when_it_cannot_fit(model_dirs, monkeypatch):
-    monkeypatch.setattr("engine.doctor.free_memory_bytes", lambda device: 1000)
+    monkeypatch.setattr("engine.sizing.free_memory_bytes", lambda device: 1000)
     check = next(c for c in diagnose(model_dirs["target"])["checks"] if c["name"] == "memory")
     assert check["status"] == "fail" and "smaller dtype" in check["detail"]
 

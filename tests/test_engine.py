@@ -28,8 +28,9 @@ def run_baseline(model, tok, ids, n, eos=frozenset({EOS}), cfg=GREEDY):
 
 
 def run_spec(model, tok, ids, drafter, gamma, n, eos=frozenset({EOS}), cfg=GREEDY):
+    drafter.start = gamma  # its draft length: the run's reset() applies it
     with torch.inference_mode():
-        steps = list(speculative_decode(model, tok, ids, drafter, gamma, cfg, n, set(eos)))
+        steps = list(speculative_decode(model, tok, ids, drafter, cfg, n, set(eos)))
     return summarise("speculative", steps, "")
 
 
@@ -161,12 +162,17 @@ def test_prompt_lookup_sizes_drafts_from_costs_and_what_held():
     assert PromptLookup(3, costs=dear).propose(text + [10, 11, 12], 8, GREEDY, gen).tokens == text[3:] + [10]
 
     lookup = PromptLookup(3, costs=[1.0] + [3.5] * 8)
-    assert lookup.propose(text + [10, 11, 12], 8, GREEDY, gen).tokens  # a 3-gram match is worth it
-    seen = text + [10, 11, 12, 99, 10, 11, 12]  # the target kept none of it; the same 3-gram comes again
+    drafted = lookup.propose(text + [10, 11, 12], 8, GREEDY, gen).tokens
+    assert drafted  # a 3-gram match is worth it
+    lookup.observe(len(drafted), 0)  # the target kept none of it
+    seen = text + [10, 11, 12, 99, 10, 11, 12]  # the same 3-gram comes again
     assert lookup.propose(seen, 8, GREEDY, gen).tokens == []  # after that miss, not worth a pass
     # while it drafts nothing its evidence fades, until the match is worth a try again
     quiet = 1
-    while not lookup.propose(seen, 8, GREEDY, gen).tokens:
+    while True:
+        lookup.observe(0, 0)  # a step without a draft
+        if lookup.propose(seen, 8, GREEDY, gen).tokens:
+            break
         quiet += 1
     assert 10 < quiet < 60
 
@@ -175,8 +181,11 @@ def test_prompt_lookup_sizes_drafts_from_costs_and_what_held():
     seen = text + [10]
     for _ in range(3):
         # all held, the target added 19, and the text goes back to the start of the copy
-        seen += learnt.propose(seen, 8, GREEDY, gen).tokens + [19, 10]
-    assert learnt.first[1] == [pytest.approx(1 + learnt.MEMORY), 0.0]  # two scored so far, the older faded
+        drafted = learnt.propose(seen, 8, GREEDY, gen).tokens
+        learnt.observe(len(drafted), len(drafted))
+        seen += drafted + [19, 10]
+    memory = learnt.MEMORY
+    assert learnt.first[1] == [pytest.approx(1 + memory + memory**2), 0.0]  # three scored, the older faded
     learnt.costs = [1.0] + [2.5] * 8
     assert learnt.propose(seen, 8, GREEDY, gen).tokens == text[1:9]
 
@@ -204,7 +213,7 @@ def test_stop_flag_ends_the_run_between_steps(llama_pair):
     events = []
     with torch.inference_mode():
         ids = prompt_ids(tok, PROMPTS[0])
-        for event in speculative_decode(target, tok, ids, DraftModel(draft, 384), 3, GREEDY, 100, set(), stop):
+        for event in speculative_decode(target, tok, ids, DraftModel(draft, 384, gamma=3), GREEDY, 100, set(), stop):
             events.append(event)
             if event.step == 2:
                 stop.set()
@@ -227,17 +236,17 @@ def test_adaptive_gamma_changes_draft_length_and_stays_lossless(llama_pair):
     target, draft, tok = llama_pair
     ids = prompt_ids(tok, PROMPTS[0])
     expected = run_baseline(target, tok, ids, 60, eos=()).token_ids
-    oracle = Synthetic(len(ids), expected, 1.0, 384)
+    oracle = Synthetic(len(ids), expected, 1.0, 384, gamma=2, adaptive=True)
     with torch.inference_mode():
-        steps = list(speculative_decode(target, tok, ids, oracle, 2, GREEDY, 60, set(), adaptive=True))
+        steps = list(speculative_decode(target, tok, ids, oracle, GREEDY, 60, set()))
     lengths = [len(s.drafted) for s in steps[1:]]
     assert lengths[:4] == [2, 4, 6, 8]  # always fully accepted: +2 each step
     with torch.inference_mode():
         costs = measure_verify_costs(target, 16)
     assert len(costs) == 17 and costs[0] == 1.0 and costs == sorted(costs)
-    for drafter in (DraftModel(draft, 384), PromptLookup(), PromptLookup(costs=costs)):
+    for drafter in (DraftModel(draft, 384, adaptive=True), PromptLookup(costs=costs)):
         with torch.inference_mode():
-            steps = list(speculative_decode(target, tok, ids, drafter, 4, GREEDY, 60, set(), adaptive=True))
+            steps = list(speculative_decode(target, tok, ids, drafter, GREEDY, 60, set()))
         assert summarise("s", steps, "").token_ids == expected
         assert len({len(s.drafted) for s in steps[1:] if s.drafted}) > 1
 

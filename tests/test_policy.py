@@ -15,16 +15,21 @@ def test_any_hub_id_without_an_allow_list(monkeypatch):
 
 
 def test_presets_allow_list(monkeypatch):
+    from engine import presets
+
     monkeypatch.setenv("SPECARENA_ALLOWED_MODELS", "presets")
-    assert policy.app_model("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
-    assert policy.app_model("bundled:smollm2-135m-instruct")
-    with pytest.raises(UserError, match="not on this app's list"):
-        policy.app_model("someone/else")
+    for pair in presets.pairs():  # every model a preset names passes, unchanged
+        for spec in filter(None, (pair["target"], pair.get("draft"))):
+            assert policy.app_model(spec) == spec
+    for refused in ("someone/else", "random:smollm2-135m", "Qwen/Qwen2.5-0.5B"):  # near names are not enough
+        with pytest.raises(UserError, match="not on this app's list"):
+            policy.app_model(refused)
 
 
 def test_explicit_allow_list(monkeypatch):
     monkeypatch.setenv("SPECARENA_ALLOWED_MODELS", "a/b, c/d")
     assert policy.app_model("c/d") == "c/d"
+    assert policy.app_model("bundled:smollm2-135m-instruct") == "bundled:smollm2-135m-instruct"  # always allowed
     with pytest.raises(UserError, match="choose one of a/b, bundled:smollm2-135m-instruct, c/d"):
         policy.app_model("e/f")
 

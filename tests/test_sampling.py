@@ -118,7 +118,9 @@ def sampled_counts(target, make_drafter, gamma, cfg, prompt, length, runs=1500):
     with torch.inference_mode():
         for seed in range(runs):
             c = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p, seed)
-            steps = list(speculative_decode(target, tok, prompt, make_drafter(), gamma, c, length, set()))
+            drafter = make_drafter()
+            drafter.start = gamma  # its draft length: the run's reset() applies it
+            steps = list(speculative_decode(target, tok, prompt, drafter, c, length, set()))
             for i, t in enumerate(t for s in steps for t in s.tokens):
                 spec[i, t] += 1
             accepted += sum(s.accepted for s in steps)

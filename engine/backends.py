@@ -1,0 +1,170 @@
+"""Where a comparison runs. A backend opens a pair for some Settings (yielding Status events while it
+loads), encodes prompts, and runs baseline and speculative generation as StepEvents; compare, bench and
+the app ask a backend and never care which. `transformers` is the in-process engine of this package:
+models loaded by engine.models, the loops in engine.baseline and engine.speculative.
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Iterator
+
+import torch
+
+from engine.baseline import baseline_decode
+from engine.drafters import Drafter, DraftModel, PromptLookup, Synthetic
+from engine.errors import OutOfMemory, UserError
+from engine.events import Status
+from engine.metrics import StepEvent
+from engine.models import MODELS, LoadedModel, free_memory, resolve_device
+from engine.runtime import encode_prompt, eos_ids
+from engine.settings import MAX_GAMMA, Settings
+from engine.speculative import speculative_decode
+
+
+@dataclass
+class Pair:
+    target: LoadedModel
+    draft: LoadedModel | None
+
+
+@contextmanager
+def guarded():
+    """An out-of-memory error turned into advice, after freeing what we can."""
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        free_memory()
+        raise OutOfMemory(
+            "the device ran out of memory during generation: lower max new tokens or gamma, choose dtype "
+            "bfloat16/float16, or pick a smaller pair. Memory has been freed; the next run can go ahead."
+        ) from exc
+
+
+def _tagged(field: str):
+    """A UserError without a field, raised while handling `field`, is about that field."""
+
+    @contextmanager
+    def tag():
+        try:
+            yield
+        except UserError as exc:
+            if exc.field is None:
+                exc.field = field
+            raise
+
+    return tag()
+
+
+class Transformers:
+    """The in-process engine on this machine's CPU or GPU."""
+
+    name = "transformers"
+
+    def __init__(self):
+        self.pair: Pair | None = None
+
+    def open(self, s: Settings) -> Iterator[Status]:
+        """Load target then draft (the model cache keeps recent ones), reporting each."""
+        if s.compile and resolve_device(s.device).type != "cuda":
+            raise UserError(
+                "compile needs a CUDA GPU: it replays decode and verify passes as CUDA graphs. On a CPU, run "
+                "without it (the packed linear layers are the CPU's fast path).",
+                field="compile",
+            )
+        yield Status(f"loading target {s.target}")
+        with _tagged("target"):
+            target = MODELS.get(s.target, s.dtype, s.device, compile=s.compile)
+        yield Status("target " + target.describe())
+        draft = None
+        if s.uses_draft:
+            yield Status(f"loading draft {s.draft}")
+            with _tagged("draft"):
+                draft = MODELS.get(s.draft, s.dtype, s.device, compile=s.compile)
+                self._check_vocab(target, draft, s)
+            yield Status("draft " + draft.describe())
+        self.pair = Pair(target, draft)
+
+    @staticmethod
+    def _check_vocab(target: LoadedModel, draft: LoadedModel, s: Settings) -> None:
+        """Speculation verifies token ids, so the two models must mean the same thing by every id. A draft
+        that fails is freed at once: it is of no use with this target."""
+        from engine.doctor import vocab_check
+
+        check = vocab_check(target.tokenizer, draft.tokenizer)
+        if check.status == "fail":
+            MODELS.drop(s.draft, s.dtype, s.device, compile=s.compile)
+            raise UserError(f"the draft {draft.spec!r} does not share the target's vocabulary: {check.detail}")
+
+    @property
+    def environment(self) -> dict:
+        import transformers
+
+        target = self.pair.target
+        device = target.device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+        return {
+            "backend": self.name,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+            "device": str(device),
+            "device_name": name,
+            "cpu_threads": torch.get_num_threads(),
+            "dtype": str(target.dtype).replace("torch.", ""),
+        }
+
+    def encode(self, prompt: str, s: Settings) -> list[int]:
+        """The prompt's ids (chat template applied as asked), checked against the pair's context."""
+        pair = self.pair
+        chat = pair.target.has_chat_template if s.chat is None else s.chat
+        ids = encode_prompt(pair.target.tokenizer, prompt, chat)
+        limits = [m.context_length for m in (pair.target, pair.draft) if m is not None and m.context_length]
+        if limits and len(ids) + s.max_new_tokens > min(limits):
+            raise UserError(
+                f"the prompt has {len(ids)} tokens and {s.max_new_tokens} new tokens were asked for, more than the "
+                f"context of {min(limits)} tokens: shorten the prompt or lower max new tokens.",
+                field="prompt",
+            )
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.pair.target.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def baseline(self, ids: list[int], s: Settings, stop: threading.Event | None = None) -> Iterator[StepEvent]:
+        model, tok = self.pair.target.model, self.pair.target.tokenizer
+        return baseline_decode(model, tok, ids, s.sampling, s.max_new_tokens, eos_ids(model, tok), stop)
+
+    def speculative(
+        self, ids: list[int], s: Settings, reference: list[int], stop: threading.Event | None = None
+    ) -> Iterator[StepEvent]:
+        """`reference` is the target's own continuation, used only by the synthetic drafter."""
+        model, tok = self.pair.target.model, self.pair.target.tokenizer
+        drafter = self.drafter(s, ids, reference)
+        return speculative_decode(model, tok, ids, drafter, s.sampling, s.max_new_tokens, eos_ids(model, tok), stop)
+
+    def drafter(self, s: Settings, ids: list[int], reference: list[int]) -> Drafter:
+        pair, room = self.pair, len(ids) + s.max_new_tokens + MAX_GAMMA
+        if s.drafter == "draft-model":
+            return DraftModel(pair.draft.model, pair.target.vocab_size, room, s.gamma, s.adaptive)
+        if s.drafter == "prompt-lookup":
+            costs = pair.target.verify_costs if s.adaptive else None
+            return PromptLookup(max_ngram=s.ngram, costs=costs, gamma=s.gamma)
+        pace = DraftModel(pair.draft.model, pair.target.vocab_size, room, MAX_GAMMA) if s.uses_draft else None
+        seed = s.seed or 0
+        return Synthetic(len(ids), reference, s.alpha, pair.target.vocab_size, seed, pace, s.gamma, s.adaptive)
+
+
+BACKENDS = {"transformers": Transformers}
+
+
+def backend_for(s: Settings):
+    return BACKENDS[s.backend]()
+
+
+def warm_settings(s: Settings) -> Settings:
+    """A few tokens of the same kind of run: warm caches, allocators and kernels before anything is timed."""
+    return replace(s, max_new_tokens=min(8, s.max_new_tokens))

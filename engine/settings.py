@@ -1,0 +1,151 @@
+"""Settings: the one named shape of everything a comparison runs with, except the prompt.
+
+The Playground form, the `compare` API, the Lab, the CLI and every report use these field names, so
+that a new setting is one field here (plus its widget). `Settings.from_form` takes loosely typed
+values as a form or an API client sends them (floats from sliders, None or "" from empty boxes) and
+returns typed settings; `validate` checks ranges. Every error names the field at fault.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields
+
+from engine.errors import UserError
+from engine.sampling import SamplingConfig
+
+BUNDLED = "bundled:smollm2-135m-instruct"
+MAX_GAMMA = 16  # the longest draft: the UI's bound, adaptive gamma's ceiling, the predictor's range
+DRAFTERS = ("draft-model", "prompt-lookup", "synthetic")
+TAKES_DRAFT = ("draft-model", "synthetic")  # drafters that use a named draft model (synthetic: for its cost)
+BACKENDS = ("transformers",)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+LABELS = {  # field -> the words a person sees next to it (messages use these)
+    "prompt": "prompt", "target": "target model", "drafter": "drafter", "draft": "draft model", "gamma": "gamma",
+    "max_new_tokens": "max new tokens", "temperature": "temperature", "top_p": "top-p", "top_k": "top-k",
+    "seed": "seed", "chat": "chat template", "dtype": "dtype", "device": "device", "ngram": "n-gram size",
+    "alpha": "synthetic alpha", "adaptive": "adaptive gamma", "compile": "compile", "warmup": "warm-up",
+    "backend": "backend",
+}  # fmt: skip
+
+
+def max_new_tokens_cap() -> int:
+    """Operator-set ceiling on max_new_tokens (SPECARENA_MAX_NEW_TOKENS), 2048 by default."""
+    return int(os.environ.get("SPECARENA_MAX_NEW_TOKENS", "2048"))
+
+
+@dataclass(frozen=True)
+class Settings:
+    target: str = BUNDLED
+    drafter: str = "prompt-lookup"
+    draft: str = ""  # the draft-model drafter's model, or the one whose cost the synthetic drafter pays
+    gamma: int = 4  # draft tokens per step; with `adaptive`, the draft model's first length
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = off
+    top_k: int = 0  # 0 = off
+    seed: int | None = None  # None = a fresh random seed per run
+    chat: bool | None = None  # None: use the chat template when the target has one
+    dtype: str = "auto"
+    device: str = "auto"
+    ngram: int = 3  # prompt lookup: longest n-gram matched
+    alpha: float = 0.8  # synthetic drafter: probability of proposing the target's own token
+    adaptive: bool = False  # the drafter sizes each draft, up to MAX_GAMMA (engine.drafters)
+    compile: bool = False  # CUDA only: torch.compile with CUDA graphs over a static KV cache
+    warmup: bool = True
+    backend: str = "transformers"
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_k, self.top_p, self.seed)
+
+    @property
+    def uses_draft(self) -> bool:
+        """A draft model is loaded: to draft, or to pace the synthetic drafter at its real cost."""
+        return self.drafter in TAKES_DRAFT and bool(self.draft.strip())
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_form(cls, **values) -> "Settings":
+        """Typed settings from form or API values; names not given keep their defaults."""
+        unknown = set(values) - set(cls.names())
+        if unknown:
+            raise UserError(f"unknown settings {sorted(unknown)}: use {', '.join(cls.names())}.")
+        typed = {}
+        for f in fields(cls):
+            if f.name in values:
+                typed[f.name] = _coerce(f.name, values[f.name], getattr(cls, f.name))
+        return cls(**typed)
+
+    def validate(self) -> "Settings":
+        def bad(name: str, message: str):
+            raise UserError(f"{LABELS[name]} {message}", field=name)
+
+        if self.drafter not in DRAFTERS:
+            bad("drafter", f"{self.drafter!r} is unknown: use one of {', '.join(DRAFTERS)}.")
+        if not self.target.strip():
+            bad("target", "is empty: name a Hub id (org/name), a local folder, or " + BUNDLED + ".")
+        if self.drafter == "draft-model" and not self.draft.strip():
+            bad("draft", "is empty, and the draft-model drafter needs one: name it, or pick prompt lookup.")
+        if not 1 <= self.gamma <= MAX_GAMMA:
+            bad("gamma", f"{self.gamma} is out of range: use a whole number from 1 to {MAX_GAMMA}.")
+        cap = max_new_tokens_cap()
+        if not 1 <= self.max_new_tokens <= cap:
+            bad("max_new_tokens", f"{self.max_new_tokens} is out of range: use 1 to {cap}.")
+        if not 1 <= self.ngram <= 8:
+            bad("ngram", f"{self.ngram} is out of range: use 1 to 8.")
+        if not 0 <= self.alpha <= 1:
+            bad("alpha", f"{self.alpha} is out of range: use 0 to 1.")
+        if self.dtype not in DTYPES:
+            bad("dtype", f"{self.dtype!r} is unknown: use {', '.join(DTYPES)}.")
+        if self.backend not in BACKENDS:
+            bad("backend", f"{self.backend!r} is unknown: use {', '.join(BACKENDS)}.")
+        self.sampling.validate()
+        return self
+
+
+def check_prompt(prompt) -> str:
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise UserError("the prompt is empty: type something for the models to continue.", field="prompt")
+    return prompt
+
+
+def _coerce(name: str, value, default):
+    """One form value to the type of its field's default; "" and None mean "not set" where that makes sense."""
+    label = LABELS[name]
+    if isinstance(default, bool) or name == "chat":
+        if value is None and name == "chat":
+            return None
+        if isinstance(value, bool):
+            return value
+        raise UserError(f"{label} must be true or false, not {value!r}.", field=name)
+    if isinstance(default, str):
+        if value is None:
+            return ""
+        if not isinstance(value, str):
+            raise UserError(f"{label} must be text, not {value!r}.", field=name)
+        return value.strip()
+    if value is None or value == "":
+        if name == "seed":
+            return None
+        raise UserError(f"{label} is empty: enter a number.", field=name)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{label} {value!r} is not a number.", field=name) from None
+    if number != number or number in (float("inf"), float("-inf")):
+        raise UserError(f"{label} {value!r} is not a finite number.", field=name)
+    if isinstance(default, float):
+        return number
+    if number != int(number):
+        raise UserError(f"{label} {value!r} is not a whole number.", field=name)
+    if name == "seed" and number < 0:
+        return None  # -1 in the form: a random seed
+    return int(number)
