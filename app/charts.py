@@ -40,33 +40,34 @@ def _rolling_acceptance(run: RunResult) -> tuple[list[int], list[float]]:
 
 
 def _axes(row: int, col: int) -> dict:
-    k = (row - 1) * 3 + col
+    k = (row - 1) * 2 + col
     return {"xaxis": f"x{k}" if k > 1 else "x", "yaxis": f"y{k}" if k > 1 else "y"}
 
 
 @lru_cache(maxsize=1)
 def _live_layout() -> str:
     """The dashboard's layout, built once with plotly (slow) and reused as JSON (fast)."""
+    # three rows of two: short titles that fit side by side down to a phone's width
     fig = make_subplots(
-        rows=2,
-        cols=3,
+        rows=3,
+        cols=2,
         subplot_titles=(
-            "tokens generated vs time (s)",
-            f"acceptance per step (rolling {ROLLING})",
-            "accepted draft tokens per step",
+            "tokens vs time (s)",
+            f"acceptance, rolling {ROLLING} steps",
+            "accepted drafts per step",
             "acceptance by draft position",
             "where the time went (s)",
             "decode tokens/s",
         ),
-        vertical_spacing=0.18,
-        horizontal_spacing=0.07,
+        vertical_spacing=0.12,
+        horizontal_spacing=0.12,
     )
     fig.update_yaxes(range=[0, 1.05], row=1, col=2)
-    fig.update_yaxes(range=[0, 1.05], row=2, col=1)
+    fig.update_yaxes(range=[0, 1.05], row=2, col=2)
     fig.update_xaxes(title_text="step", row=1, col=2)
-    fig.update_xaxes(title_text="accepted", dtick=1, row=1, col=3)
-    fig.update_xaxes(title_text="position", dtick=1, row=2, col=1)
-    fig.update_layout(barmode="stack", height=560, margin=dict(l=40, r=20, t=50, b=40), legend=dict(orientation="h"))
+    fig.update_xaxes(title_text="draft tokens kept", type="category", row=2, col=1)
+    fig.update_xaxes(title_text="position", dtick=1, row=2, col=2)
+    fig.update_layout(barmode="stack", height=760, margin=dict(l=40, r=10, t=50, b=40), legend=dict(orientation="h"))
     fig.update_annotations(font_size=12)
     return json.dumps(fig.to_plotly_json()["layout"], cls=PlotlyJSONEncoder)
 
@@ -90,18 +91,21 @@ def live_figure(base: RunResult | None, spec: RunResult | None) -> dict:
         xs, ys = _cumulative(run)
         m = run.metrics
         traces.append(_scatter(xs, ys, name, color, (1, 1)))
-        traces.append(_bar([name], [m.tokens_per_s], name, color, (2, 3), showlegend=False))
+        traces.append(_bar([name], [m.tokens_per_s], name, color, (3, 2), showlegend=False))
         for part, value, c in (("prefill", m.prefill_s, PREFILL), ("draft", m.draft_s, DRAFT),
                                ("verify", m.verify_s, VERIFY), ("overhead", m.overhead_s, OVERHEAD)):  # fmt: skip
             first = run is base or base is None
-            traces.append(_bar([name], [value], part, c, (2, 2), legendgroup=part, showlegend=first))
+            traces.append(_bar([name], [value], part, c, (3, 1), legendgroup=part, showlegend=first))
     if spec is not None:
         xs, ys = _rolling_acceptance(spec)
         traces.append(_scatter(xs, ys, "acceptance", SPEC, (1, 2), showlegend=False))
-        hist = spec.metrics.accepted_length_hist
-        traces.append(_bar(list(range(len(hist))), hist, "steps", SPEC, (1, 3), showlegend=False))
-        rates = [r or 0 for r in spec.metrics.per_position_acceptance]
-        traces.append(_bar(list(range(1, len(rates) + 1)), rates, "acceptance", SPEC, (2, 1), showlegend=False))
+        # steps where nothing was drafted apart from drafts rejected at once
+        m = spec.metrics
+        names = ["no draft"] + [str(k) for k in range(len(m.accepted_length_hist))]
+        traces.append(_bar(names, [m.no_draft_steps] + m.accepted_length_hist, "steps", SPEC, (2, 1),
+                           showlegend=False))  # fmt: skip
+        rates = [r or 0 for r in m.per_position_acceptance]
+        traces.append(_bar(list(range(1, len(rates) + 1)), rates, "acceptance", SPEC, (2, 2), showlegend=False))
     return {"data": traces, "layout": json.loads(_live_layout())}
 
 

@@ -7,10 +7,11 @@ models loaded by engine.models, the loops in engine.baseline and engine.speculat
 from __future__ import annotations
 
 import platform
+import queue
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Iterator
+from typing import Generator, Iterator
 
 import torch
 
@@ -59,6 +60,28 @@ def _tagged(field: str):
     return tag()
 
 
+def _load(spec: str, s: Settings) -> Generator[Status, None, LoadedModel]:
+    """MODELS.get in a worker thread, so that what it reports (a download's progress, a conversion) reaches
+    the caller as Status events while it works."""
+    messages: queue.Queue = queue.Queue()
+    box: dict = {}
+
+    def work():
+        try:
+            box["model"] = MODELS.get(spec, s.dtype, s.device, progress=messages.put, compile=s.compile)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread below
+            box["error"] = exc
+        finally:
+            messages.put(None)
+
+    threading.Thread(target=work, name=f"load {spec}", daemon=True).start()
+    while (message := messages.get()) is not None:
+        yield Status(message)
+    if "error" in box:
+        raise box["error"]
+    return box["model"]
+
+
 class Transformers:
     """The in-process engine on this machine's CPU or GPU."""
 
@@ -77,13 +100,13 @@ class Transformers:
             )
         yield Status(f"loading target {s.target}")
         with _tagged("target"):
-            target = MODELS.get(s.target, s.dtype, s.device, compile=s.compile)
+            target = yield from _load(s.target, s)
         yield Status("target " + target.describe())
         draft = None
         if s.uses_draft:
             yield Status(f"loading draft {s.draft}")
             with _tagged("draft"):
-                draft = MODELS.get(s.draft, s.dtype, s.device, compile=s.compile)
+                draft = yield from _load(s.draft, s)
                 self._check_vocab(target, draft, s)
             yield Status("draft " + draft.describe())
         self.pair = Pair(target, draft)

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from engine import random_models, sizing
-from engine.models import load_tokenizer, resolve, resolve_device, resolve_dtype, trust_remote_code
+from engine.models import hub_folder, load_tokenizer, resolve, resolve_device, resolve_dtype, trust_remote_code
 from engine.sizing import context_length, kv_bytes_per_token
 
 PROBES = ["Hello, world! 123", "def f(x):\n    return x * 2", "Ünïcödé — 日本語 🙂"]
@@ -32,7 +32,8 @@ def _config(spec: str):
     source = resolve(spec)
     if source.shape:
         return random_models.config(source.shape)
-    return AutoConfig.from_pretrained(source.location, revision=source.revision, trust_remote_code=trust_remote_code())
+    location = hub_folder(source, weights=False) if source.repo_id else source.location
+    return AutoConfig.from_pretrained(location, trust_remote_code=trust_remote_code())
 
 
 def vocab_check(target_tok, draft_tok) -> Check:

@@ -71,7 +71,8 @@ class Metrics:
     alpha: float | None  # accepted / tested: per-token acceptance, what Leviathan's formula expects
     mean_accepted_length: float  # tokens emitted per target pass after the prefill (1.0 for baseline)
     per_position_acceptance: list[float | None]  # P(accept draft i | drafts 1..i-1 accepted), i = 1..
-    accepted_length_hist: list[int]  # steps that accepted 0, 1, ..., gamma draft tokens
+    accepted_length_hist: list[int]  # steps with a draft that accepted 0, 1, ..., gamma of its tokens
+    no_draft_steps: int  # decode steps where the drafter proposed nothing (the target decoded alone)
     prefill_s: float
     draft_s: float
     verify_s: float
@@ -132,7 +133,8 @@ def summarise(mode: str, steps: list[StepEvent], text: str) -> RunResult:
     rates = [k / r if r else None for r, k in counts]
     hist = [0] * (len(counts) + 1)
     for s in decode:
-        hist[s.accepted] += 1
+        if s.drafted:
+            hist[s.accepted] += 1
     metrics = Metrics(
         new_tokens=len(ids),
         ttft_s=ttft,
@@ -147,6 +149,7 @@ def summarise(mode: str, steps: list[StepEvent], text: str) -> RunResult:
         mean_accepted_length=sum(len(s.tokens) for s in decode) / len(decode) if decode else 0.0,
         per_position_acceptance=rates,
         accepted_length_hist=hist,
+        no_draft_steps=sum(not s.drafted for s in decode),
         prefill_s=passes[0].verify_s + passes[0].other_s,
         draft_s=draft_s,
         verify_s=verify_s,

@@ -188,6 +188,90 @@ class LoadedModel:
         )
 
 
+# What a Hub model needs besides its weights (configs, tokenizer, chat template), and its weights.
+META_FILES = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja", "tokenizer*"]
+WEIGHT_FILES = ["*.safetensors"]
+
+
+def allow_pickle() -> bool:
+    return os.environ.get("SPECARENA_ALLOW_PICKLE", "0") == "1"
+
+
+def hub_folder(source: Source, progress: Progress = _quiet, weights: bool = True) -> str:
+    """A Hub model's files in the local cache (weights too, or only configs and tokenizer).
+
+    One quick question to the Hub first, so that an id that does not exist, a gated model or a machine with
+    no network fails at once with a message that says which, instead of after rounds of retries. With no
+    network (or HF_HUB_OFFLINE=1) the local cache alone is used; otherwise files download with progress."""
+    from huggingface_hub import HfApi, snapshot_download
+
+    repo, revision = source.repo_id, source.revision
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    why = "HF_HUB_OFFLINE is set"
+    if not offline:
+        try:
+            HfApi().model_info(repo, revision=revision, timeout=10)
+        except Exception as exc:  # noqa: BLE001 - sorted into the Hub's answers and "no answer"
+            known = _hub_refusal(exc, source)
+            if known is not None:
+                raise known from None
+            offline, why = True, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no answer'}"
+    patterns = META_FILES + (WEIGHT_FILES + (["*.bin"] if allow_pickle() else []) if weights else [])
+    try:
+        return snapshot_download(repo, revision=revision, allow_patterns=patterns, local_files_only=offline,
+                                 tqdm_class=None if offline else _reporting_bar(progress, repo))  # fmt: skip
+    except Exception as exc:  # noqa: BLE001
+        if offline:
+            raise UserError(
+                f"the Hugging Face Hub cannot be reached from here ({why}) and {source.spec!r} is not in the local "
+                f"cache: connect this machine to the network, or use {BUNDLED} or a local model folder."
+            ) from None
+        raise _hub_refusal(exc, source) or UserError(_load_failure(source, exc)) from exc
+
+
+def _hub_refusal(exc: Exception, source: Source) -> UserError | None:
+    """The Hub's own answer as advice; None when the Hub did not answer at all."""
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    repo = source.repo_id
+    if isinstance(exc, GatedRepoError):
+        return UserError(f"{repo} is gated on the Hub: accept its licence on its page, then set HF_TOKEN.")
+    if isinstance(exc, RevisionNotFoundError):
+        return UserError(f"{repo} has no revision {source.revision!r} on the Hub: check the part after '@'.")
+    if isinstance(exc, RepositoryNotFoundError):
+        return UserError(f"there is no model {repo!r} on the Hugging Face Hub (or it is private: set HF_TOKEN).")
+    if isinstance(exc, HfHubHTTPError):
+        return UserError(f"the Hugging Face Hub refused {repo} ({str(exc).splitlines()[0]}).")
+    return None
+
+
+def _reporting_bar(progress: Progress, repo: str):
+    """A tqdm class that reports a download's progress through `progress`, at most twice a second."""
+    import io
+
+    from tqdm.auto import tqdm
+
+    class Reporting(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs.update(disable=False, file=io.StringIO())  # count even where bars are switched off
+            super().__init__(*args, **kwargs)
+            self._said = 0.0
+
+        def update(self, n=1):
+            super().update(n)
+            now = time.monotonic()
+            if now - self._said >= 0.5 or (self.total and self.n >= self.total):
+                self._said = now
+                if self.unit == "B":
+                    done, total = f"{self.n / 2**20:.0f}", f"{(self.total or 0) / 2**20:.0f} MiB"
+                else:
+                    done, total = str(self.n), f"{self.total} {self.unit}s"
+                progress(f"downloading {repo}: {done} of {total}")
+
+    return Reporting
+
+
+
 def load_tokenizer(spec: str, progress: Progress = _quiet):
     """Tokenizer only (used by checks that must run before any weights load)."""
     from transformers import AutoTokenizer
@@ -195,10 +279,9 @@ def load_tokenizer(spec: str, progress: Progress = _quiet):
     source = resolve(spec, progress)
     if source.shape:
         return random_models.tokenizer(random_models.config(source.shape).vocab_size)
+    location = hub_folder(source, progress, weights=False) if source.repo_id else source.location
     try:
-        return AutoTokenizer.from_pretrained(
-            source.location, revision=source.revision, trust_remote_code=trust_remote_code()
-        )
+        return AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code())
     except Exception as exc:  # noqa: BLE001 - any loader failure becomes one clear message
         raise UserError(_load_failure(source, exc)) from exc
 
@@ -222,7 +305,7 @@ def _load(
     if source.shape:
         model, tokenizer = _random(source, device, dtype)
     else:
-        model, tokenizer = _pretrained(source, dtype)
+        model, tokenizer = _pretrained(source, dtype, progress)
     try:
         model.to(device)
     except torch.OutOfMemoryError as exc:
@@ -244,17 +327,15 @@ def _random(source: Source, device: torch.device, dtype: torch.dtype):
         raise OutOfMemory(f"out of memory building {source.spec}: try a smaller dtype or shape.") from exc
 
 
-def _pretrained(source: Source, dtype: torch.dtype):
+def _pretrained(source: Source, dtype: torch.dtype, progress: Progress = _quiet):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    common = dict(revision=source.revision, trust_remote_code=trust_remote_code())
+    location = hub_folder(source, progress) if source.repo_id else source.location
+    remote = trust_remote_code()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source.location, **common)
+        tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=remote)
         model = AutoModelForCausalLM.from_pretrained(
-            source.location,
-            dtype=dtype,
-            use_safetensors=os.environ.get("SPECARENA_ALLOW_PICKLE", "0") != "1",
-            **common,
+            location, dtype=dtype, use_safetensors=not allow_pickle(), trust_remote_code=remote
         )
     except torch.OutOfMemoryError as exc:
         raise OutOfMemory(

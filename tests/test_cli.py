@@ -13,7 +13,7 @@ from engine.__main__ import main
 
 METRIC_KEYS = {
     "tokens_per_s", "ttft_s", "total_s", "new_tokens", "target_passes", "draft_passes", "acceptance_rate",
-    "mean_accepted_length", "per_position_acceptance", "accepted_length_hist", "draft_s", "verify_s",
+    "mean_accepted_length", "per_position_acceptance", "accepted_length_hist", "no_draft_steps", "draft_s", "verify_s",
     "overhead_s", "cost_ratio_c", "predicted_speedup",
 }  # fmt: skip
 
@@ -55,7 +55,7 @@ def test_cli_prints_a_readable_summary(model_dirs, capsys):
     [
         (["--prompt", ""], "prompt is empty"),
         (["--prompt", "hi", "--target", "/no/such/folder"], "does not exist"),
-        (["--prompt", "hi", "--target", "nobody/no-such-model"], "could not load"),
+        (["--prompt", "hi", "--target", "nobody/no-such-model"], "not in the local cache"),
         (["--prompt", "hi", "--gamma", "0"], "gamma 0 is out of range"),
         (["--prompt", "hi", "--temperature", "3"], "temperature 3.0 is out of range"),
         (["--prompt", "hi", "--top-p", "0"], "top-p 0.0 is out of range"),

@@ -1,0 +1,85 @@
+"""Hub models: a wrong id or a machine without network fails at once with a message that says which, and a
+download reports its progress. The Hub is never contacted: its address points at this machine."""
+
+from __future__ import annotations
+
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from engine import models
+from engine.errors import UserError
+
+
+@pytest.fixture
+def online(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False, raising=False)
+
+
+def test_an_unreachable_hub_fails_at_once(online, monkeypatch):
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    started = time.monotonic()
+    with pytest.raises(UserError, match="cannot be reached from here .* not in the local cache"):
+        models.hub_folder(models.resolve("nobody/no-such-model"))
+    assert time.monotonic() - started < 30  # no rounds of retries
+
+
+def test_offline_mode_uses_the_local_cache_only(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UserError, match="HF_HUB_OFFLINE is set"):
+        models.hub_folder(models.resolve("nobody/no-such-model"), weights=False)
+
+
+class NotFound(BaseHTTPRequestHandler):
+    def do_GET(self):  # the Hub's answer for an id that does not exist
+        self.send_response(404)
+        self.send_header("X-Error-Code", "RepoNotFound")
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b'{"error": "Repository not found"}')
+
+    def log_message(self, *args):
+        pass
+
+
+def test_an_id_the_hub_does_not_know_is_named(online, monkeypatch):
+    server = HTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+        with pytest.raises(UserError, match="there is no model 'nobody/no-such-model' on the Hugging Face Hub"):
+            models.hub_folder(models.resolve("nobody/no-such-model"))
+    finally:
+        server.shutdown()
+
+
+def test_download_progress_is_reported():
+    said = []
+    bar = models._reporting_bar(said.append, "org/model")(total=3 * 2**20, unit="B")
+    for _ in range(3):
+        bar.update(2**20)
+    bar.close()
+    assert said[-1] == "downloading org/model: 3 of 3 MiB"
+
+
+def test_loading_reports_progress_as_status_events(model_dirs, monkeypatch):
+    """What the loader reports while it works reaches the caller as Status events, before the model."""
+    from engine.backends import Transformers
+    from engine.events import Status
+    from engine.settings import Settings
+
+    real = models.ModelCache.get
+
+    def talkative(self, spec, *args, progress=models._quiet, **kwargs):
+        progress(f"downloading {spec}: 1 of 2 MiB")
+        return real(self, spec, *args, progress=progress, **kwargs)
+
+    monkeypatch.setattr(models.ModelCache, "get", talkative)
+    backend = Transformers()
+    events = list(backend.open(Settings(target=model_dirs["target"], drafter="prompt-lookup")))
+    assert all(isinstance(e, Status) for e in events)
+    assert f"downloading {model_dirs['target']}: 1 of 2 MiB" in [e.message for e in events]
+    assert backend.pair.target.spec == model_dirs["target"]
