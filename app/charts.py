@@ -54,18 +54,18 @@ def _live_layout() -> str:
         subplot_titles=(
             "tokens vs time (s)",
             f"acceptance, rolling {ROLLING} steps",
-            "accepted drafts per step",
+            "draft tokens kept per step",
             "acceptance by draft position",
             "where the time went (s)",
             "decode tokens/s",
         ),
-        vertical_spacing=0.12,
+        vertical_spacing=0.13,
         horizontal_spacing=0.12,
     )
     fig.update_yaxes(range=[0, 1.05], row=1, col=2)
     fig.update_yaxes(range=[0, 1.05], row=2, col=2)
     fig.update_xaxes(title_text="step", row=1, col=2)
-    fig.update_xaxes(title_text="draft tokens kept", type="category", row=2, col=1)
+    fig.update_xaxes(type="category", tickangle=0, tickfont_size=10, row=2, col=1)
     fig.update_xaxes(title_text="position", dtick=1, row=2, col=2)
     fig.update_layout(barmode="stack", height=760, margin=dict(l=40, r=10, t=50, b=40), legend=dict(orientation="h"))
     fig.update_annotations(font_size=12)
@@ -127,10 +127,10 @@ def memory_figure(samples: list[dict], source: str, models: dict[str, float] | N
                            "name": f"weights: {spec}", "line": {"dash": "dashdot", "width": 1}})  # fmt: skip
     layout = {
         "title": {"text": f"memory (MiB): {source}", "font": {"size": 13}},
-        "height": 260,
-        "margin": {"l": 50, "r": 20, "t": 40, "b": 30},
-        "legend": {"orientation": "h"},
-        "xaxis": {"title": {"text": "seconds"}},
+        "height": 300,
+        "margin": {"l": 50, "r": 20, "t": 40, "b": 70},
+        "legend": {"orientation": "h", "y": -0.3},
+        "xaxis": {"title": {"text": "seconds", "standoff": 4}},
     }
     return {"data": traces, "layout": layout}
 

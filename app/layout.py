@@ -121,7 +121,7 @@ def build_layout() -> SimpleNamespace:
     with gr.Accordion("history and downloads", open=False, elem_id="history"):
         ui.history = gr.State([])
         ui.history_table = gr.Dataframe(headers=handlers.HISTORY_COLUMNS, label="history (every run, newest last)",
-                                        interactive=False, wrap=True, elem_id="history-table")  # fmt: skip
+                                        interactive=False, wrap=False, elem_id="history-table")  # fmt: skip
         ui.files = gr.File(label="downloads", file_count="multiple", interactive=False)
     ui.result = gr.JSON(label="result", visible=False)
     return ui
@@ -151,8 +151,8 @@ def wire(ui: SimpleNamespace) -> None:
     )
     # a field's error mark goes when that field is edited (in the browser: no round trip)
     for name, component in {"prompt": ui.prompt, **ui.form}.items():
-        component.input(None, None, ui.form_error, js=f"(html) => (html || '').includes('data-field=\"{name}\"') "
-                        "? '' : html")  # fmt: skip
+        unmark = f"(html) => (html || '').includes('data-field=\"{name}\"') ? '' : html"
+        component.input(None, ui.form_error, ui.form_error, js=unmark)
     ui.preset.change(
         handlers.apply_preset,
         inputs=[ui.preset],

@@ -122,6 +122,7 @@ def live_app():
     port = _free_port()
     env = dict(os.environ, GRADIO_SERVER_NAME="127.0.0.1", GRADIO_SERVER_PORT=str(port), GRADIO_ANALYTICS_ENABLED="0",
                SPECARENA_QUEUE_SIZE="4")  # fmt: skip
+    env.pop("SPECARENA_MODELS_DIR", None)  # as a public app runs: no local folders, whatever ran before
     root = Path(__file__).resolve().parent.parent
     log = open(root / ".pytest_cache" / "app.log", "w") if (root / ".pytest_cache").is_dir() else subprocess.DEVNULL
     proc = subprocess.Popen([sys.executable, "app.py"], cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
