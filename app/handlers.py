@@ -146,6 +146,7 @@ class Live:
             done.identical if done else None,
             done.speedup if done else None,
             stopped=bool(done and done.stopped),
+            suspect=done.suspect if done else None,
         )
         figure = charts.as_plot(charts.live_figure(base, spec)) if chart else gr.skip()
         return self.status_line(), base_pane, spec_pane, summary, figure
@@ -182,8 +183,8 @@ def api_result(c: Comparison | None) -> dict:
     if c is None:
         return {}
     data = c.to_dict(with_steps=False)
-    keys = ("status", "baseline", "speculative", "identical", "speedup", "settings", "environment", "started_at",
-            "finished_at")  # fmt: skip
+    keys = ("status", "baseline", "speculative", "identical", "speedup", "suspect", "settings", "environment",
+            "started_at", "finished_at")  # fmt: skip
     return {k: data[k] for k in keys}
 
 
@@ -228,7 +229,7 @@ def compare(prompt, history, request: gr.Request, **form):
     finally:
         STOPS.finish(session, stop)
     c = live.comparison
-    history.append(history_row(s, c.status, c))
+    history.append(history_row(s, c.status + (" (suspect)" if c.suspect else ""), c))
     yield (api_result(c), *live.outputs(), history, history, write_downloads(c, history), "")
 
 

@@ -125,15 +125,20 @@ def verdict_badge(identical: bool | None, stopped: bool = False) -> str:
 
 
 def summary(
-    base: Metrics | None, spec: Metrics | None, identical: bool | None, speedup: float | None, stopped: bool = False
-) -> str:
+    base: Metrics | None, spec: Metrics | None, identical: bool | None, speedup: float | None, stopped: bool = False,
+    suspect: list[str] | None = None,
+) -> str:  # fmt: skip
+    """The verdict badge and the cards. A suspect run shows why instead of its speedup."""
     if stopped:
         return f'<div class="sa-summary">{verdict_badge(None, stopped=True)}</div>'
     if base is None or spec is None:
         return '<div class="sa-summary sa-empty">Run a comparison to see the summary.</div>'
     saved = base.target_passes - spec.target_passes
+    predicted = f"predicted {_fmt(spec.predicted_speedup, '.2f', '×')}"
     cards = [
-        _card("speedup", _fmt(speedup, ".2f", "×"), f"predicted {_fmt(spec.predicted_speedup, '.2f', '×')}"),
+        _card("speedup: suspect", "?", f"measured {_fmt(speedup, '.2f', '×')}, {predicted}")
+        if suspect
+        else _card("speedup", _fmt(speedup, ".2f", "×"), predicted),
         _card(
             "acceptance rate",
             _fmt(spec.acceptance_rate, ".1%"),
@@ -145,7 +150,15 @@ def summary(
         _card("target passes saved", str(saved), f"{spec.target_passes} vs {base.target_passes}"),
         _card("cost ratio c", _fmt(spec.cost_ratio_c, ".3f"), "draft token / verify pass"),
     ]
-    return f'<div class="sa-summary">{verdict_badge(identical)}<div class="sa-cards">{"".join(cards)}</div></div>'
+    doubt = ""
+    if suspect:
+        doubt = (
+            '<div class="sa-suspect" role="note">⚠ <b>This run looks off</b>, so its speedup is not shown: '
+            + escape("; ".join(suspect))
+            + ". Run it again to see what this machine does.</div>"
+        )
+    cards_html = "".join(cards)
+    return f'<div class="sa-summary">{verdict_badge(identical)}{doubt}<div class="sa-cards">{cards_html}</div></div>'
 
 
 def field_id(name: str) -> str:

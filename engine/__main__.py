@@ -196,6 +196,8 @@ IDENTICAL = {True: "yes", False: "NO", None: "- (sampled)"}
 
 
 def sweep_table(data: dict) -> str:
+    from engine import report
+
     env = data["environment"]
     lines = [f"{data['settings']['target']} on {env['device_name']} ({env['dtype']}), "
              f"torch {env['torch']}, transformers {env['transformers']}",
@@ -215,6 +217,11 @@ def sweep_table(data: dict) -> str:
                              f"{'-' if acc is None else f'{acc:.2f}':>8}")  # fmt: skip
     for fit in data["fits"]:
         lines.append(f"{fit['drafter']} at temperature {fit['temperature']}: {fit['verdict']}")
+    best = report.best_setting(data)
+    if best:
+        lines.append(f"best: {best['drafter']}, gamma {best['gamma']}, temperature {best['temperature']}, "
+                     f"{best['speedup']:.2f}x over {best['samples']} samples")  # fmt: skip
+        lines += [f"  note: {note}" for note in best["notes"]]
     return "\n".join(lines)
 
 

@@ -16,6 +16,7 @@ from typing import Generator, Iterator
 import torch
 
 from engine.baseline import baseline_decode
+from engine.cpu import cpu_name
 from engine.drafters import Drafter, DraftModel, PromptLookup, Synthetic
 from engine.errors import OutOfMemory, UserError
 from engine.events import Status
@@ -60,9 +61,11 @@ def _tagged(field: str):
     return tag()
 
 
-def _load(spec: str, s: Settings) -> Generator[Status, None, LoadedModel]:
+def _load(spec: str, s: Settings, loaded: list[str]) -> Generator[Status, None, LoadedModel]:
     """MODELS.get in a worker thread, so that what it reports (a download's progress, a conversion) reaches
-    the caller as Status events while it works."""
+    the caller as Status events while it works. A model that was not in memory yet is added to `loaded`."""
+    if not MODELS.has(spec, s.dtype, s.device, compile=s.compile):
+        loaded.append(spec)
     messages: queue.Queue = queue.Queue()
     box: dict = {}
 
@@ -89,6 +92,7 @@ class Transformers:
 
     def __init__(self):
         self.pair: Pair | None = None
+        self.loaded: list[str] = []  # models that open() had to load (not already in memory)
 
     def open(self, s: Settings) -> Iterator[Status]:
         """Load target then draft (the model cache keeps recent ones), reporting each."""
@@ -100,13 +104,13 @@ class Transformers:
             )
         yield Status(f"loading target {s.target}")
         with _tagged("target"):
-            target = yield from _load(s.target, s)
+            target = yield from _load(s.target, s, self.loaded)
         yield Status("target " + target.describe())
         draft = None
         if s.uses_draft:
             yield Status(f"loading draft {s.draft}")
             with _tagged("draft"):
-                draft = yield from _load(s.draft, s)
+                draft = yield from _load(s.draft, s, self.loaded)
                 self._check_vocab(target, draft, s)
             yield Status("draft " + draft.describe())
         self.pair = Pair(target, draft)
@@ -128,7 +132,7 @@ class Transformers:
 
         target = self.pair.target
         device = target.device
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
         return {
             "backend": self.name,
             "torch": torch.__version__,
@@ -138,6 +142,7 @@ class Transformers:
             "device_name": name,
             "cpu_threads": torch.get_num_threads(),
             "dtype": str(target.dtype).replace("torch.", ""),
+            "linear_forms": target.linear_forms,
         }
 
     def encode(self, prompt: str, s: Settings) -> list[int]:

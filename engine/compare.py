@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 from engine.backends import backend_for, guarded, warm_settings
 from engine.events import Done, Event, RunDone, Status, Step
 from engine.metrics import RunResult, StepEvent, summarise
 from engine.settings import Settings, check_prompt
+from engine.trust import OtherLoad, suspicions
 
 
 @dataclass
@@ -30,6 +31,9 @@ class Comparison:
     environment: dict
     started_at: float = 0.0  # wall clock (time.time()) around warm-up and both runs, for logs and audits
     finished_at: float = 0.0
+    loaded_models: list[str] = field(default_factory=list)  # models this comparison had to load first
+    other_load: float = 0.0  # share of all CPUs other processes used during the two runs (engine.trust)
+    suspect: list[str] = field(default_factory=list)  # why the speedup may not be what this machine does
 
     @property
     def stopped(self) -> bool:
@@ -64,6 +68,9 @@ class Comparison:
             "speculative": self.speculative.to_dict(with_steps) if self.speculative else None,
             "identical": self.identical,
             "speedup": self.speedup,
+            "suspect": self.suspect,
+            "other_load": self.other_load,
+            "loaded_models": self.loaded_models,
             "started_at": self.started_at,
             "finished_at": self.finished_at,
         }
@@ -111,6 +118,7 @@ def stream_compare(s: Settings, prompt: str, stop: threading.Event | None = None
             yield Status("warming up")
             warm_up(backend, ids, s)
         yield Status("running baseline")
+        load = OtherLoad()
         baseline = None
         for event in run("baseline", backend.baseline(ids, s, stop), backend.decode):
             baseline = event.result if isinstance(event, RunDone) else baseline
@@ -121,7 +129,10 @@ def stream_compare(s: Settings, prompt: str, stop: threading.Event | None = None
             for event in run("speculative", backend.speculative(ids, s, baseline.token_ids, stop), backend.decode):
                 speculative = event.result if isinstance(event, RunDone) else speculative
                 yield event
-        yield Done(Comparison(s, prompt, baseline, speculative, backend.environment, started, time.time()))
+        c = Comparison(s, prompt, baseline, speculative, backend.environment, started, time.time(),
+                       backend.loaded, load.share())  # fmt: skip
+        c.suspect = suspicions(c)
+        yield Done(c)
 
 
 def compare(s: Settings, prompt: str, stop: threading.Event | None = None) -> Comparison:

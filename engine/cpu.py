@@ -1,56 +1,87 @@
-"""CPU speed-up: run the model's linear layers through oneDNN with weights packed once at load.
+"""CPU speed: run linear layers on oneDNN-packed weights where that is faster, measured on this machine.
 
-A stock float32 nn.Linear on CPU calls a BLAS GEMM that re-packs the weight matrix on every call. At
-batch 1 decoding the weights are the traffic, so the packing costs as much as the maths: packing once
-made the bundled model's forward passes about 1.4x faster on our 2-core test machine, for one token and
-for a verify pass alike (numbers in the README). This is what torch.compile's CPU "freezing" does,
-without a compile step. Results match nn.Linear to float32 rounding (~1e-5).
+A stock float32 nn.Linear on CPU calls a BLAS GEMM that re-packs the weight matrix on every call; a weight
+packed once for oneDNN skips that. Which is faster depends on the CPU and on the pass size: on an AMD EPYC
+(AVX2) packed weights made one-token and verify passes of the bundled model ~1.4x faster; on an Intel Xeon
+(AVX512) they made one-token passes ~25% slower and multi-token verify passes faster. A playground whose
+baseline runs slower than it could overstates what speculation buys.
 
-The weight is packed without a batch-size hint. Packed for one row (hint 1), oneDNN runs a verify pass
-of 2-5 rows ~1.5x slower than a one-row pass, which eats most of what speculation saves on a CPU. Packed
-without a hint, the one-row pass is no slower and a 5-row pass costs ~1.2x one row, measured over the
-bundled model's 211 weight shapes streamed from memory.
+So each linear layer holds both forms at load, `choose_forms` times whole forward passes of the model in
+each form at 1, 2, 3, 5, 9 and 17 rows, and every layer then runs the packed weight from the smallest pass
+size from which packed wins at every size measured, the stock GEMM below it. A form that never runs is
+freed; where both are kept and the second copy of the weights would take over a quarter of the free
+memory, the form fastest for one-token passes (the baseline's) serves every pass. The choice is cached per
+model, dtype, CPU, thread count and torch version, so it is measured once. Baseline and speculative runs
+use the same layers, so a pass of a given size runs the same form in both.
 
-Used for float32 models on CPU only; SPECARENA_CPU_PACK=0 turns it off. Any failure leaves the
-model as it was.
+The weight is packed without a batch-size hint: packed for one row (hint 1), oneDNN ran 2-5-row passes
+~1.5x slower than one row. Results match nn.Linear to float32 rounding (~1e-5).
+
+SPECARENA_CPU_PACK: auto (default) measures; 1 packs every pass; 0 keeps stock layers. Float32 on CPU only;
+any failure leaves the model as it was.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import platform
+import time
+from pathlib import Path
 
+import psutil
 import torch
+
+ROWS = (1, 2, 3, 5, 9, 17)  # pass sizes timed: a decode step, verify passes of 1-16 draft tokens
+NEVER = 1 << 30  # min_rows that no pass reaches: the layer stays stock
 
 
 class PackedLinear(torch.nn.Module):
-    """Inference-only stand-in for nn.Linear holding a oneDNN-packed weight."""
+    """Inference-only stand-in for nn.Linear: the oneDNN-packed weight for passes of at least `min_rows`
+    rows, the stock weight below that. Whichever form no pass uses is dropped (`keep_only`)."""
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())  # no batch hint: see above
+        self.weight = linear.weight.detach()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)  # no batch hint: see above
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self.min_rows = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        if flat.shape[0] >= self.min_rows:
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        else:
+            out = torch.nn.functional.linear(flat, self.weight, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def keep_only(self, min_rows: int) -> None:
+        self.min_rows = min_rows
+        if min_rows <= 1:
+            self.weight = None  # packed serves every pass
+        elif min_rows >= NEVER:
+            self.packed = None  # stock serves every pass
+
+
+def mode() -> str:
+    return os.environ.get("SPECARENA_CPU_PACK", "auto")
 
 
 def enabled(model: torch.nn.Module) -> bool:
     param = next(model.parameters())
     return (
-        os.environ.get("SPECARENA_CPU_PACK", "1") == "1"
+        mode() != "0"
         and param.device.type == "cpu"
         and param.dtype == torch.float32
         and torch.backends.mkldnn.is_available()
     )
 
 
-def pack_linears(model: torch.nn.Module) -> int:
-    """Swap every nn.Linear for a PackedLinear in place; returns how many were packed (0 if not used)."""
+def pack_linears(model: torch.nn.Module) -> list[PackedLinear]:
+    """Swap every nn.Linear for a PackedLinear holding both forms, in place; [] where packing is not used."""
     if not enabled(model):
-        return 0
+        return []
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if type(child) is torch.nn.Linear]  # fmt: skip
     try:
@@ -59,7 +90,106 @@ def pack_linears(model: torch.nn.Module) -> int:
         if probe is not None:
             probe(torch.zeros(2, probe.in_features))
     except (RuntimeError, AttributeError):
-        return 0
+        return []
     for parent, name, module in packed:
         setattr(parent, name, module)
-    return len(packed)
+    return [module for _, _, module in packed]
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _time_passes(model, rows: tuple[int, ...], repeats: int = 3, context: int = 64) -> dict[int, float]:
+    """Best-of-`repeats` seconds of a forward pass of each row count, after a `context`-token prefix."""
+    from engine.runtime import forward, new_cache
+
+    cache = new_cache(model)
+    vocab = model.config.get_text_config().vocab_size
+    forward(model, [i % vocab for i in range(context)], cache, keep=1)
+    best = {}
+    for n in rows:
+        best[n] = float("inf")
+        for _ in range(repeats + 1):  # the first call of a size warms it up
+            start = time.perf_counter()
+            forward(model, [1] * n, cache)
+            best[n] = min(best[n], time.perf_counter() - start)
+            cache.crop(-n)
+    return best
+
+
+def _decide(stock: dict[int, float], packed: dict[int, float]) -> int:
+    """The smallest measured pass size from which packed wins at every larger size; NEVER if it never does."""
+    min_rows = NEVER
+    for n in sorted(stock, reverse=True):
+        if packed[n] >= stock[n]:
+            break
+        min_rows = n
+    return min_rows
+
+
+def describe(min_rows: int) -> str:
+    if min_rows <= 1:
+        return "oneDNN-packed for every pass"
+    if min_rows >= NEVER:
+        return "stock nn.Linear for every pass"
+    return f"stock nn.Linear below {min_rows} rows, oneDNN-packed from {min_rows}"
+
+
+def choose_forms(model, layers: list[PackedLinear], key: str, cache_file: Path) -> dict:
+    """Measure (or recall) which form is faster for which pass size and keep only what is used. Returns
+    {"min_rows", "linear_forms", "measured"}: the pass size from which packed weights run, in words, and the
+    timings behind it (None when recalled from the cache)."""
+    if not layers:
+        return {"min_rows": None, "linear_forms": "stock nn.Linear (not packed here)", "measured": None}
+    key = f"{key}|{cpu_name()}|{torch.get_num_threads()} threads|torch {torch.__version__}"
+    known = _read(cache_file)
+    measured = None
+    if mode() == "1":
+        min_rows = 1
+    elif key in known:
+        min_rows = known[key]
+    else:
+        with torch.inference_mode():
+            for layer in layers:
+                layer.min_rows = NEVER
+            stock = _time_passes(model, ROWS)
+            for layer in layers:
+                layer.min_rows = 1
+            packed = _time_passes(model, ROWS)
+        min_rows = _decide(stock, packed)
+        measured = {"stock_s": stock, "packed_s": packed}
+        if 1 < min_rows < NEVER and _second_copy_too_big(layers):
+            min_rows = 1 if packed[1] < stock[1] else NEVER  # one form only: the baseline's fastest
+        _write(cache_file, dict(list(known.items())[-255:]) | {key: min_rows})  # the latest 256 choices
+    for layer in layers:
+        layer.keep_only(min_rows)
+    return {"min_rows": min_rows, "linear_forms": describe(min_rows), "measured": measured}
+
+
+def _second_copy_too_big(layers: list[PackedLinear]) -> bool:
+    extra = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers)
+    return extra > 0.25 * psutil.virtual_memory().available
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(path: Path, data: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache only costs a measurement per load

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from engine import random_models
-from engine.cpu import pack_linears
+from engine.cpu import NEVER, choose_forms, pack_linears
 from engine.errors import OutOfMemory, UserError
 from engine.runtime import compile_decoding, measure_verify_costs
 from engine.settings import BUNDLED, MAX_GAMMA
@@ -158,8 +158,9 @@ class LoadedModel:
     load_s: float
     params: int = field(default=0)
     vocab_size: int = field(default=0)  # rows of the output layer (may exceed the tokenizer's by padding)
-    packed_linears: int = field(default=0)  # linear layers running on oneDNN-packed weights (engine.cpu)
+    packed_linears: int = field(default=0)  # linear layers running oneDNN-packed weights for some passes
     compiled: bool = field(default=False)  # decode and verify passes run through torch.compile
+    linear_forms: str = field(default="")  # which form of the linear layers runs for which pass size (engine.cpu)
 
     @property
     def context_length(self) -> int | None:
@@ -181,7 +182,9 @@ class LoadedModel:
 
     def describe(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")
-        extras = (", packed linears" if self.packed_linears else "") + (", compiled" if self.compiled else "")
+        extras = (f", linears: {self.linear_forms}" if self.linear_forms else "") + (
+            ", compiled" if self.compiled else ""
+        )
         return (
             f"{self.spec}: {self.params / 1e6:.1f}M params, {dtype} on {self.device}{extras} "
             f"(loaded in {self.load_s:.1f}s)"
@@ -313,11 +316,18 @@ def _load(
     model.eval().requires_grad_(False)
     params = sum(p.numel() for p in model.parameters())
     vocab = int(model.get_output_embeddings().weight.shape[0])
-    packed = pack_linears(model) if pack else 0
+    forms = {"min_rows": None, "linear_forms": ""}
+    if device.type == "cpu":
+        layers = pack_linears(model) if pack else []
+        if layers:
+            progress(f"timing {source.spec}'s linear layers, stock and packed (once per model and CPU)")
+        forms = choose_forms(model, layers, f"{source.spec}|{dtype}", cache_dir() / "cpu-forms.json")
+    packed = 0 if forms["min_rows"] in (None, NEVER) else len(layers)
     if compile:
         compile_decoding(model)
     took = time.perf_counter() - start
-    return LoadedModel(source.spec, model, tokenizer, device, dtype, took, params, vocab, packed, compile)
+    return LoadedModel(source.spec, model, tokenizer, device, dtype, took, params, vocab, packed, compile,
+                       forms["linear_forms"])  # fmt: skip
 
 
 def _random(source: Source, device: torch.device, dtype: torch.dtype):
@@ -388,6 +398,9 @@ class ModelCache:
     def _key(spec: str, dtype: str, device: str, pack: bool = True, compile: bool = False) -> tuple:
         dev = resolve_device(device)
         return ((spec or "").strip(), resolve_dtype(dtype, dev), str(dev), pack, compile)
+
+    def has(self, spec: str, dtype: str = "auto", device: str = "auto", pack: bool = True, compile: bool = False):
+        return self._key(spec, dtype, device, pack, compile) in self._models
 
     def drop(self, spec: str, dtype: str = "auto", device: str = "auto", pack: bool = True, compile: bool = False):
         """Free one model now (e.g. a draft that turned out not to fit its target)."""

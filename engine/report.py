@@ -34,8 +34,30 @@ def best_setting(report: dict) -> dict | None:
     cells = [c for c in report.get("cells", []) if c["speedup"]["median"] is not None and c["drafter"] != "synthetic"]
     if not cells:
         return None
-    best = max(cells, key=lambda c: c["speedup"]["median"])
-    return {k: best[k] for k in ("drafter", "gamma", "temperature")} | {"speedup": best["speedup"]["median"]}
+    ranked = sorted(cells, key=lambda c: c["speedup"]["median"], reverse=True)
+    best = ranked[0]
+    return {k: best[k] for k in ("drafter", "gamma", "temperature")} | {
+        "speedup": best["speedup"]["median"],
+        "samples": best["speedup"].get("n"),
+        "notes": trust_notes(best, ranked[1] if len(ranked) > 1 else None),
+    }
+
+
+def trust_notes(best: dict, runner_up: dict | None) -> list[str]:
+    """How much the choice of the best cell rests on: one sample, or a runner-up inside its spread."""
+    notes = []
+    if best["speedup"].get("n") == 1:
+        notes.append("one sample decides this: measure more repeats or prompts before trusting it")
+    if runner_up is not None:
+        b, r = best["speedup"], runner_up["speedup"]
+        r_max, b_min = r.get("max"), b.get("min")
+        if r_max is not None and b_min is not None and r_max >= b["median"] and b_min <= r["median"]:
+            notes.append(
+                f"the runner-up ({runner_up['drafter']}, gamma {runner_up['gamma']}, temperature "
+                f"{runner_up['temperature']}: {r['median']:.2f}x) lies within this cell's spread: these samples "
+                "do not tell the two apart"
+            )
+    return notes
 
 
 def hub_name(spec: str) -> str:
@@ -96,7 +118,8 @@ def snippets_markdown(report: dict) -> str:
     if best is None:
         return "No setting to take elsewhere: only synthetic cells (a measuring tool) were measured.\n"
     lines = [f"# Best setting: {best['drafter']}, gamma {best['gamma']}, temperature {best['temperature']}: "
-             f"{best['speedup']:.2f}x measured\n"]  # fmt: skip
+             f"{best['speedup']:.2f}x measured over {best['samples']} samples\n"]  # fmt: skip
+    lines += [f"> Note: {note}." for note in best["notes"]]
     for fit in report.get("fits", []):
         lines.append(f"- {fit['drafter']} at temperature {fit['temperature']}: {fit['verdict']}")
     for name, code in snippets(report).items():

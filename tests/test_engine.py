@@ -253,10 +253,11 @@ def test_adaptive_gamma_changes_draft_length_and_stays_lossless(llama_pair):
         assert len({len(s.drafted) for s in steps[1:] if s.drafted}) > 1
 
 
-def test_packed_cpu_linears_match_stock_layers(model_dirs, llama_pair):
+def test_packed_cpu_linears_match_stock_layers(model_dirs, llama_pair, monkeypatch):
     from engine.cpu import PackedLinear
     from engine.models import ModelCache
 
+    monkeypatch.setenv("SPECARENA_CPU_PACK", "1")  # packed for every pass, whatever this CPU would choose
     cache = ModelCache(max_models=2)
     packed, plain = cache.get(model_dirs["target"]), cache.get(model_dirs["target"], pack=False)
     assert packed.packed_linears > 0 and plain.packed_linears == 0
@@ -271,17 +272,45 @@ def test_packed_cpu_linears_match_stock_layers(model_dirs, llama_pair):
     assert run_spec(packed.model, tok, ids, PromptLookup(), 4, 30).token_ids == expected
 
 
-def test_packed_linear_matches_for_every_row_count():
-    """The weight is packed once, with no batch hint, and serves a decode step, a verify pass and a prefill."""
+@pytest.mark.parametrize("min_rows", [1, 3, 1 << 30])
+def test_packed_linear_matches_for_every_row_count(min_rows):
+    """The weight is packed once, with no batch hint; below min_rows rows the stock weight runs instead, and
+    whichever form no pass uses is freed."""
     from engine.cpu import PackedLinear
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 80)
     packed = PackedLinear(layer)
+    packed.keep_only(min_rows)
+    assert (packed.weight is None) == (min_rows == 1) and (packed.packed is None) == (min_rows == 1 << 30)
     with torch.inference_mode():
         for rows in (1, 2, 3, 5, 17, 64):
             x = torch.randn(1, rows, 48)
             torch.testing.assert_close(packed(x), layer(x), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_forms_follow_the_measurements_and_are_measured_once(llama_pair, tmp_path, monkeypatch):
+    from engine import cpu
+
+    monkeypatch.setenv("SPECARENA_CPU_PACK", "auto")
+    # packed slower for one row, faster from 3 (as on an AVX512 Xeon); faster everywhere; never faster
+    rows = cpu.ROWS
+    assert cpu._decide(dict.fromkeys(rows, 1.0), {1: 1.2, 2: 1.1, 3: 0.9, 5: 0.8, 9: 0.8, 17: 0.7}) == 3
+    assert cpu._decide(dict.fromkeys(rows, 1.0), dict.fromkeys(rows, 0.5)) == 1
+    assert cpu._decide(dict.fromkeys(rows, 1.0), dict.fromkeys(rows, 2.0)) == cpu.NEVER
+    assert cpu._decide(dict.fromkeys(rows, 1.0), {1: 0.5, 2: 2.0, 3: 0.5, 5: 0.5, 9: 0.5, 17: 0.5}) == 3
+    import copy
+
+    model = copy.deepcopy(llama_pair[0])
+    file = tmp_path / "forms.json"
+    first = cpu.choose_forms(model, cpu.pack_linears(model), "tiny|float32", file)
+    assert first["measured"] is not None and set(first["measured"]["stock_s"]) == set(rows)
+    assert first["linear_forms"] == cpu.describe(first["min_rows"])
+    again = copy.deepcopy(llama_pair[0])
+    layers = cpu.pack_linears(again)
+    second = cpu.choose_forms(again, layers, "tiny|float32", file)
+    assert second["measured"] is None and second["min_rows"] == first["min_rows"]  # recalled, not re-measured
+    assert all(layer.min_rows == first["min_rows"] for layer in layers)
 
 
 def test_compiled_decoding_is_lossless(llama_pair):

@@ -1,0 +1,81 @@
+"""Runs that look off are flagged with reasons, not shown as results; reports say what a best cell rests on."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from app import render
+from engine import report
+from engine.compare import Comparison
+from engine.metrics import StepEvent, summarise
+from engine.settings import Settings
+from engine.trust import OtherLoad, RecentSpeeds, suspicions
+
+
+def run(mode: str, tokens: int, seconds: float, predicted_alpha: bool = False):
+    """A run of `tokens` one-token steps over `seconds`, after a 0.1 s prefill."""
+    steps = [StepEvent(0, "prefill", [1], ["a"], elapsed_s=0.1, verify_s=0.1)]
+    for i in range(1, tokens):
+        drafted = [2, 3] if predicted_alpha else []
+        steps.append(StepEvent(i, "correction" if drafted else "target", [5], ["b"], drafted=drafted, p=[0.9, 0.1],
+                               q=[1, 1], accepted=0, elapsed_s=0.1 + seconds * i / (tokens - 1),
+                               verify_s=seconds / (tokens - 1), draft_s=1e-4))  # fmt: skip
+    return summarise(mode, steps, "")
+
+
+def comparison(base_s: float, spec_s: float, **extra) -> Comparison:
+    base, spec = run("baseline", 20, base_s), run("speculative", 20, spec_s, predicted_alpha=True)
+    return Comparison(Settings(), "p", base, spec, {"device": "cpu"}, **extra)
+
+
+def test_a_speedup_far_from_its_prediction_is_suspect():
+    c = comparison(1.0, 0.1, loaded_models=["bundled:smollm2-135m-instruct"])  # 10x measured, ~1x predicted
+    reasons = suspicions(c, RecentSpeeds())
+    assert any("far from the" in r and "predict" in r for r in reasons)
+    assert any("first run after loading bundled:smollm2-135m-instruct" in r for r in reasons)
+    fair = comparison(1.0, 1.0)
+    assert suspicions(fair, RecentSpeeds()) == []  # measured ~ predicted, nothing known to compare with
+
+
+def test_a_side_far_from_its_recent_runs_is_suspect():
+    recent = RecentSpeeds()
+    for _ in range(3):
+        assert suspicions(comparison(1.0, 1.0), recent) == []
+    slow = comparison(10.0, 10.0)  # both sides ten times slower than their recent runs
+    reasons = suspicions(slow, recent)
+    assert any(r.startswith("the baseline ran at 1.9 tok/s where its recent runs") for r in reasons)
+    assert any(r.startswith("the speculative ran at") for r in reasons)
+
+
+def test_a_busy_machine_is_named_and_stopped_runs_are_not_judged():
+    busy = comparison(1.0, 1.0, other_load=0.6)
+    assert suspicions(busy, RecentSpeeds()) == ["other processes used 60% of the CPUs during the runs: the machine "
+                                                "was busy"]  # fmt: skip
+    stopped = replace(comparison(1.0, 0.1), speculative=None)
+    assert suspicions(stopped, RecentSpeeds()) == []
+    assert 0.0 <= OtherLoad().share() <= 1.0
+
+
+def test_a_suspect_run_shows_why_instead_of_its_speedup():
+    c = comparison(1.0, 0.1)
+    html = render.summary(c.baseline.metrics, c.speculative.metrics, True, c.speedup, suspect=["odd"])
+    assert "This run looks off" in html and "odd" in html and "speedup: suspect" in html
+    assert "10.00×" not in html.split("measured")[0]  # the number is only shown as what was measured
+    plain = render.summary(c.baseline.metrics, c.speculative.metrics, True, c.speedup)
+    assert "looks off" not in plain
+
+
+def cell(drafter, gamma, median, low, high, n):
+    return {"drafter": drafter, "gamma": gamma, "temperature": 0.0,
+            "speedup": {"median": median, "min": low, "max": high, "n": n}}  # fmt: skip
+
+
+def test_the_best_setting_says_what_it_rests_on():
+    lone = report.best_setting({"cells": [cell("prompt-lookup", 4, 2.0, 2.0, 2.0, 1)]})
+    assert lone["samples"] == 1 and any("one sample decides" in n for n in lone["notes"])
+    close = report.best_setting({"cells": [cell("prompt-lookup", 4, 2.0, 1.5, 2.5, 6),
+                                           cell("prompt-lookup", 8, 1.9, 1.6, 2.4, 6)]})  # fmt: skip
+    assert any("gamma 8" in n and "do not tell the two apart" in n for n in close["notes"])
+    clear = report.best_setting({"cells": [cell("prompt-lookup", 4, 2.0, 1.9, 2.1, 6),
+                                           cell("prompt-lookup", 8, 1.2, 1.1, 1.3, 6)]})  # fmt: skip
+    assert clear["notes"] == []
