@@ -23,7 +23,7 @@ from app.memory import SAMPLER
 from engine import policy, presets
 from engine.compare import Comparison, stream_compare
 from engine.errors import UserError
-from engine.events import Done, Event, RunDone, Status, Step
+from engine.events import Done, Event, RunDone, RunStarts, Status, Step
 from engine.metrics import RunResult, summarise
 from engine.models import MODELS
 from engine.settings import TAKES_DRAFT, Settings, check_prompt
@@ -33,10 +33,15 @@ log = logging.getLogger("specarena")
 # the model would otherwise use: text twice a second, charts every two seconds, everything at phase ends.
 RENDER_EVERY = 0.5
 CHART_EVERY = 2.0
+# Before a timed run starts, the server sends what was rendered and the browser draws it (on a CPU machine,
+# on the same cores as the model): wait that long, outside the engine's clocks, so that no rendering of
+# one run lands in the other's time to first token. Charts are drawn at the end of the comparison, not
+# between the runs.
+SETTLE = 0.4
 
 # Settings a caller of the app may set: every Settings field but those the operator decides for the machine
-# (device, compile), warm-up (always on: numbers without it are not honest) and the backend (one so far).
-API_FIELDS = [name for name in Settings.names() if name not in ("device", "compile", "warmup", "backend")]
+# (device, compile) and warm-up (always on: numbers without it are not honest).
+API_FIELDS = [name for name in Settings.names() if name not in ("device", "compile", "warmup")]
 
 HISTORY_COLUMNS = [
     "time", "status", "target", "drafter", "draft", "γ", "temperature", "max new", "speedup ×", "acceptance",
@@ -103,7 +108,7 @@ class Live:
     started: float = field(default_factory=time.monotonic)
 
     def add(self, event: Event) -> None:
-        if isinstance(event, Status):
+        if isinstance(event, (Status, RunStarts)):
             self.status = event.message
         elif isinstance(event, Step):
             self.running = event.mode
@@ -215,9 +220,11 @@ def compare(prompt, history, request: gr.Request, **form):
             now = time.monotonic()
             streaming = isinstance(event, Step)
             if not streaming or now - last_text >= RENDER_EVERY:
-                chart = not streaming or now - last_chart >= CHART_EVERY
+                chart = now - last_chart >= CHART_EVERY if streaming else not isinstance(event, (RunStarts, RunDone))
                 last_text, last_chart = now, now if chart else last_chart
                 yield (gr.skip(), *live.outputs(chart), *skip[:4])
+            if isinstance(event, RunStarts):
+                time.sleep(SETTLE)  # the run's clocks start when the next event is asked for
     except Exception as exc:  # noqa: BLE001 - the app must keep serving
         if not isinstance(exc, UserError):
             log.exception("comparison failed")

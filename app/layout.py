@@ -19,7 +19,9 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 CSS = (ASSETS / "style.css").read_text()
 THEME = gr.themes.Soft(primary_hue="violet", secondary_hue="emerald")
 DRAFTERS = [("draft model", "draft-model"), ("prompt lookup (no model)", "prompt-lookup"),
-            ("synthetic α (measurement tool)", "synthetic")]  # fmt: skip
+            ("synthetic α (measurement tool)", "synthetic"), ("suffix (vLLM)", "suffix"), ("EAGLE-3 (vLLM)", "eagle3"),
+            ("MTP (vLLM)", "mtp")]  # fmt: skip
+BACKENDS = [("transformers (this process)", "transformers"), ("vLLM (its servers)", "vllm")]
 EXAMPLES = [  # (category, index, label): where speculation wins and where it loses
     ("rewriting", 0, "wins · correct the spelling of given text"),
     ("summarisation", 0, "wins · summarise given text"),
@@ -58,6 +60,8 @@ def build_layout() -> SimpleNamespace:
         with gr.Column(scale=1, min_width=300, elem_id="form-col"):
             ui.preset = gr.Dropdown([p["name"] for p in presets.pairs()], value=default["name"], label="preset")
             ui.preset_note = gr.Markdown(f"{default['note']}  \n*Measured on:* {default['measured_on']}")
+            widget("backend", gr.Radio(BACKENDS, value="transformers", label="backend",
+                                       info="where both runs happen; vLLM needs SPECARENA_VLLM_PYTHON or its URLs"))
             widget("target", gr.Textbox(BUNDLED, label="target model", info=target_info()))
             widget("drafter", gr.Radio(DRAFTERS, value=default["drafter"], label="drafter"))
             widget("draft", gr.Textbox(

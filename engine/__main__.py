@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from engine.errors import UserError
-from engine.settings import BUNDLED
+from engine.settings import BACKENDS, BUNDLED, DRAFTERS
 
 
 def add_pair_args(p: argparse.ArgumentParser) -> None:
@@ -22,7 +22,9 @@ def add_pair_args(p: argparse.ArgumentParser) -> None:
         help="draft model (same vocabulary as the target); implies --drafter draft-model. With --drafter synthetic, "
         "its passes run for their cost and its tokens are not used",
     )
-    p.add_argument("--drafter", choices=["draft-model", "prompt-lookup", "synthetic"], help="default: prompt-lookup")
+    p.add_argument("--drafter", choices=DRAFTERS, help="default: prompt-lookup; suffix, eagle3, mtp: --backend vllm")
+    p.add_argument("--backend", choices=BACKENDS, default="transformers",
+                   help="transformers: this process (default); vllm: vLLM servers (SPECARENA_VLLM_PYTHON or URLs)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
 
@@ -67,6 +69,8 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--drafters", help="comma-separated drafters to sweep (default: --drafter)")
     bench.add_argument("--repeats", type=int, default=3, help="A/B pairs per prompt and cell")
     bench.add_argument("--compare", choices=["hf"], help="hf: HF generate() and assisted generation vs ours")
+    bench.add_argument("--concurrency", help="server backends: requests at a time, e.g. 1,2,4,8 (a load curve; "
+                       "--repeats rounds of requests per level)")
     bench.add_argument("--json", metavar="PATH", help="write the whole report as JSON")
     bench.add_argument("--report", metavar="DIR", help="write report.json, report.csv and settings.md")
     for p in (run, bench):
@@ -92,7 +96,7 @@ def settings_from(args: argparse.Namespace, **overrides):
         target=args.target, draft=args.draft or "", drafter=drafter, gamma=getattr(args, "gamma", 4),
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, chat=args.chat, dtype=args.dtype, device=args.device, ngram=args.ngram, alpha=args.alpha,
-        adaptive=args.adaptive, compile=args.compile,
+        adaptive=args.adaptive, compile=args.compile, backend=args.backend,
     )  # fmt: skip
     return Settings(**(values | overrides))
 
@@ -168,7 +172,13 @@ def cmd_bench(args) -> int:
     base = settings_from(args, gamma=gammas[0])
     prompts = bench_prompts(args)
     try:
-        if args.compare == "hf":
+        if args.concurrency:
+            from engine.load import load_curve
+
+            flat = [p for ps in prompts.values() for p in ps]
+            data = load_curve(base, flat, _numbers(args.concurrency, int, "concurrency"), args.repeats, _progress)
+            print(load_table(data))
+        elif args.compare == "hf":
             flat = [p for ps in prompts.values() for p in ps]
             data = hfcompare.compare_hf(base, flat, args.repeats, _progress)
             print(hf_table(data))
@@ -180,7 +190,7 @@ def cmd_bench(args) -> int:
         return 130
     if args.json:
         Path(args.json).write_text(json.dumps(data, indent=1))
-    if args.report:
+    if args.report and data["kind"] != "load":
         for path in report.write(data, args.report).values():
             print(f"wrote {path}")
     return 0
@@ -222,6 +232,21 @@ def sweep_table(data: dict) -> str:
         lines.append(f"best: {best['drafter']}, gamma {best['gamma']}, temperature {best['temperature']}, "
                      f"{best['speedup']:.2f}x over {best['samples']} samples")  # fmt: skip
         lines += [f"  note: {note}" for note in best["notes"]]
+    return "\n".join(lines)
+
+
+def load_table(data: dict) -> str:
+    env = data["environment"]
+    lines = [f"{data['settings']['target']} on {env.get('device_name')}, drafter {data['settings']['drafter']}, "
+             f"gamma {data['settings']['gamma']}",
+             f"{'at a time':>10}{'base tok/s':>12}{'spec tok/s':>12}{'speedup':>9}{'base p50/p90/p99 s':>22}"
+             f"{'spec p50/p90/p99 s':>22}"]  # fmt: skip
+    for r in data["levels"]:
+        b, s = r["baseline"], r["speculative"]
+        lat = "{latency_p50_s:.2f}/{latency_p90_s:.2f}/{latency_p99_s:.2f}"
+        lines.append(f"{r['concurrency']:>10}{b['tokens_per_s']:>12.1f}{s['tokens_per_s']:>12.1f}{r['speedup']:>8.2f}x"
+                     f"{lat.format(**b):>22}{lat.format(**s):>22}")  # fmt: skip
+    lines.append(data["verdict"])
     return "\n".join(lines)
 
 

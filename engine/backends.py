@@ -115,6 +115,10 @@ class Transformers:
             yield Status("draft " + draft.describe())
         self.pair = Pair(target, draft)
 
+    def serves(self, s: Settings) -> bool:
+        """Whether runs with `s` need nothing this pair lacks (the draft is loaded when a cell first needs it)."""
+        return not s.uses_draft or self.pair.draft is not None
+
     @staticmethod
     def _check_vocab(target: LoadedModel, draft: LoadedModel, s: Settings) -> None:
         """Speculation verifies token ids, so the two models must mean the same thing by every id. A draft
@@ -186,11 +190,12 @@ class Transformers:
         return Synthetic(len(ids), reference, s.alpha, pair.target.vocab_size, seed, pace, s.gamma, s.adaptive)
 
 
-BACKENDS = {"transformers": Transformers}
-
-
 def backend_for(s: Settings):
-    return BACKENDS[s.backend]()
+    if s.backend == "vllm":
+        from engine.vllm_backend import VLLM
+
+        return VLLM()
+    return Transformers()
 
 
 def warm_settings(s: Settings) -> Settings:

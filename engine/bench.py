@@ -127,8 +127,9 @@ class Session:
         self._warm: set[tuple] = set()
 
     def with_draft(self, s: Settings) -> "Session":
-        """The draft model is loaded only once a cell that uses it comes up (its settings name it)."""
-        if s.uses_draft and self.backend.pair.draft is None:
+        """The backend is opened again when a cell needs what it does not serve: a draft model that only a
+        later cell uses, or (on a server backend) another speculative configuration."""
+        if not self.backend.serves(s):
             self.backend = open_backend(s)
         return self
 

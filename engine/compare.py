@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 from engine.backends import backend_for, guarded, warm_settings
-from engine.events import Done, Event, RunDone, Status, Step
+from engine.events import Done, Event, RunDone, RunStarts, Status, Step
 from engine.metrics import RunResult, StepEvent, summarise
 from engine.settings import Settings, check_prompt
 from engine.trust import OtherLoad, suspicions
@@ -117,7 +117,7 @@ def stream_compare(s: Settings, prompt: str, stop: threading.Event | None = None
         if s.warmup:
             yield Status("warming up")
             warm_up(backend, ids, s)
-        yield Status("running baseline")
+        yield RunStarts("baseline")
         load = OtherLoad()
         baseline = None
         for event in run("baseline", backend.baseline(ids, s, stop), backend.decode):
@@ -125,7 +125,7 @@ def stream_compare(s: Settings, prompt: str, stop: threading.Event | None = None
             yield event
         speculative = None
         if baseline.metrics.finish_reason != "stopped":
-            yield Status("running speculative")
+            yield RunStarts("speculative")
             for event in run("speculative", backend.speculative(ids, s, baseline.token_ids, stop), backend.decode):
                 speculative = event.result if isinstance(event, RunDone) else speculative
                 yield event

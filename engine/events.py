@@ -1,7 +1,8 @@
 """What a comparison reports while it runs, as typed events (the app renders them, the CLI drains them).
 
-Status: a line of progress (loading, warming up, downloading). Step: one target pass of a run, as the
-loop yielded it. RunDone: a run's RunResult. Done: the whole Comparison, last of all.
+Status: a line of progress (loading, warming up, downloading). RunStarts: a timed run is next; its clocks
+start when the consumer asks for the next event, so a consumer can finish its own work first. Step: one
+target pass of a run, as the loop yielded it. RunDone: a run's RunResult. Done: the whole Comparison.
 """
 
 from __future__ import annotations
@@ -18,6 +19,15 @@ if TYPE_CHECKING:
 @dataclass
 class Status:
     message: str
+
+
+@dataclass
+class RunStarts:
+    mode: str  # "baseline" | "speculative"
+
+    @property
+    def message(self) -> str:
+        return f"running {self.mode}"
 
 
 @dataclass
@@ -40,4 +50,4 @@ class Done:
     comparison: "Comparison"
 
 
-Event = Union[Status, Step, RunDone, Done]
+Event = Union[Status, RunStarts, Step, RunDone, Done]

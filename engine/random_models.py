@@ -94,3 +94,17 @@ def build(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     return model, tokenizer(cfg.vocab_size)
+
+
+def config_folder(shape: str):
+    """A model folder with this shape's config and tokenizer and no weights, for engines that build random
+    weights themselves (vLLM's --load-format dummy)."""
+    from engine.models import cache_dir
+
+    folder = cache_dir() / f"random-{shape}"
+    if not (folder / "config.json").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        cfg = config(shape)
+        cfg.save_pretrained(folder)
+        tokenizer(cfg.vocab_size).save_pretrained(folder)
+    return folder

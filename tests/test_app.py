@@ -41,7 +41,7 @@ def test_settings_have_one_named_shape_across_form_api_and_cli():
     from engine.settings import Settings
 
     # the form and the API carry every setting but the operator's
-    assert set(handlers.API_FIELDS) == set(Settings.names()) - {"device", "compile", "warmup", "backend"}
+    assert set(handlers.API_FIELDS) == set(Settings.names()) - {"device", "compile", "warmup"}
     args = parser().parse_args(["run", "--prompt", "x", "--gamma", "6", "--temperature", "0.5", "--seed", "3"])
     cli = settings_from(args)
     form = Settings.from_form(gamma=6.0, temperature=0.5, seed=3.0, draft=None, chat=None)
@@ -302,3 +302,30 @@ def test_the_queue_polls_for_work_every_50_ms_not_every_millisecond():
     spec.loader.exec_module(entry)  # builds the page; launching is left to __main__
     queue = entry.demo._queue
     assert (queue.sleep_when_free, queue.progress_update_sleep_when_free) == (0.05, 0.1)
+
+
+def test_no_rendering_lands_in_the_next_runs_clocks(model_dirs, monkeypatch):
+    """Between the runs the handler draws no charts, and a run's clocks start only after the page had SETTLE
+    seconds to take what was rendered before it: the UI's times to first token are the engine's."""
+    import time
+
+    from engine.backends import Transformers
+
+    started = {}
+    for mode in ("baseline", "speculative"):
+        real = getattr(Transformers, mode)
+
+        def spy(self, *args, _real=real, _mode=mode, **kwargs):
+            started[_mode] = time.monotonic()  # the last call: the timed run, after the warm-up
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(Transformers, mode, spy)
+    rendered = {}
+    for out in handlers.compare(**ui_values(model_dirs, max_new_tokens=6), request=SimpleNamespace(session_hash="t")):
+        status, chart = out[1], out[5]
+        for mode in ("baseline", "speculative"):
+            if status.endswith(f"running {mode}") and mode not in rendered:
+                rendered[mode] = time.monotonic()
+                assert isinstance(chart, type(gr.skip()))  # no chart redrawn right before a run
+    for mode in ("baseline", "speculative"):
+        assert started[mode] - rendered[mode] >= handlers.SETTLE

