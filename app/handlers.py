@@ -134,6 +134,8 @@ class Live:
         base, spec = self.run("baseline"), self.run("speculative")
         done = self.comparison
         hint = render.verdict_badge(done.identical, done.stopped) if done else ""
+        if done and done.environment.get("backend") == "vllm":
+            hint += render.UNREPORTED
         base_pane = render.pane(
             "Baseline (target alone)",
             render.baseline_tokens(self.steps["baseline"]),

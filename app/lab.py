@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,6 +20,7 @@ from app.handlers import STOPS, session_of, settings_from
 from engine import presets, report
 from engine.bench import Stopped, sweep
 from engine.errors import UserError
+from engine.load import load_curve
 from engine.settings import Settings
 
 log = logging.getLogger("specarena")
@@ -35,6 +37,8 @@ report's charts.html holds both charts and opens offline."""
 
 CELL_COLUMNS = ["drafter", "γ", "temperature", "speedup ×", "min", "max", "samples", "acceptance", "base tok/s",
                 "spec tok/s", "identical"]  # fmt: skip
+LOAD_COLUMNS = ["at a time", "speedup ×", "base tok/s", "spec tok/s", "base p50 s", "base p99 s", "spec p50 s",
+                "spec p99 s"]  # fmt: skip
 CATEGORY_COLUMNS = ["category", "speedup ×", "min", "max", "samples", "acceptance", "expected"]
 
 
@@ -56,6 +60,8 @@ def build_layout() -> SimpleNamespace:
         ui.per_category = gr.Slider(1, 5, value=1, step=1, label="prompts per category")
         ui.repeats = gr.Slider(1, 10, value=2, step=1, label="A/B repeats per prompt")
         ui.max_new_tokens = gr.Slider(8, 512, value=48, step=8, label="max new tokens")
+        ui.concurrency = gr.Textbox("", label="concurrency (vLLM backend)", placeholder="e.g. 1,2,4,8",
+                                    info="requests at a time: after the sweep, a load curve of its best setting")
     with gr.Row():
         ui.run = gr.Button("Run sweep", variant="primary", elem_id="lab-run")
         ui.stop = gr.Button("Stop", variant="stop", elem_id="lab-stop")
@@ -65,6 +71,9 @@ def build_layout() -> SimpleNamespace:
         ui.curve = gr.Plot(label="predicted vs measured speedup over γ", elem_id="lab-curve")
         ui.category_chart = gr.Plot(label="by task category (best cell)", elem_id="lab-categories")
     ui.category_table = gr.Dataframe(headers=CATEGORY_COLUMNS, label="by task category (best cell)", interactive=False)
+    with gr.Row():
+        ui.load_chart = gr.Plot(label="under load: where speculation stops paying", elem_id="lab-load")
+        ui.load_table = gr.Dataframe(headers=LOAD_COLUMNS, label="under load", interactive=False)
     ui.snippets = gr.Markdown(label="settings to take to production")
     ui.files = gr.File(label="report: JSON, CSV, settings", file_count="multiple", interactive=False)
     return ui
@@ -177,8 +186,8 @@ def snippets_markdown(data: dict) -> str:
 
 
 def run_sweep(
-    gammas, temperatures, drafters, categories, per_category, repeats, sweep_max_new_tokens, request: gr.Request,
-    progress=gr.Progress(), **form,
+    gammas, temperatures, drafters, categories, per_category, repeats, sweep_max_new_tokens, concurrency,
+    request: gr.Request, progress=gr.Progress(), **form,
 ):  # fmt: skip
     """Sweep the grid over the chosen task categories, on the Playground's pair and sampling settings (`form`;
     its drafter, γ, temperature and max new tokens give way to the sweep's own).
@@ -194,6 +203,10 @@ def run_sweep(
         prompts = presets.suite(list(categories), int(per_category))
         if not 1 <= int(repeats) <= 10:
             raise UserError(f"repeats {repeats} is out of range: use 1 to 10.", field="repeats")
+        levels = _levels(concurrency)
+        if levels and base.backend == "transformers":
+            raise UserError("a load curve needs a serving backend: choose vLLM on the Playground, or leave "
+                            "concurrency empty.", field="backend")  # fmt: skip
     except ValueError:
         raise gr.Error(f"temperatures {temperatures!r}: write numbers separated by commas, e.g. 0, 0.7.") from None
     except UserError as exc:
@@ -201,8 +214,14 @@ def run_sweep(
     session = session_of(request, ":lab")
     stop = STOPS.start(session)
     try:
+        report_progress = lambda done, total, what: progress((done, total), desc=what)  # noqa: E731
         data = sweep(base, prompts, sorted(int(g) for g in gammas), temps, list(drafters), int(repeats),
-                     lambda done, total, what: progress((done, total), desc=what), stop)  # fmt: skip
+                     report_progress, stop)  # fmt: skip
+        best = report.best_setting(data)
+        if levels and best:
+            under_load = replace(base, **{k: best[k] for k in ("drafter", "gamma", "temperature")})
+            flat = [p for ps in prompts.values() for p in ps]
+            data["load"] = load_curve(under_load, flat, levels, int(repeats), report_progress)
     except Stopped:
         raise gr.Error("sweep stopped: nothing was saved; run again with fewer cells for a quicker answer.") from None
     except UserError as exc:
@@ -220,8 +239,43 @@ def run_sweep(
     best = report.best_setting(data)
     verdicts += "".join(f"\n\n⚠ Best setting: {note}." for note in (best["notes"] if best else []))
     uses = uses_markdown(base, sum(len(p) for p in prompts.values()), int(repeats))
-    return (uses, verdicts, cell_rows(data), curve, categories, category_rows(data), snippets_markdown(data),
-            [str(p) for p in paths])  # fmt: skip
+    load = data.get("load")
+    load_chart, load_rows = (load_figure(load), load_rows_of(load)) if load else (None, [])
+    return (uses, verdicts, cell_rows(data), curve, categories, category_rows(data), load_chart, load_rows,
+            snippets_markdown(data), [str(p) for p in paths])  # fmt: skip
+
+
+def _levels(text) -> list[int]:
+    levels = [int(x) for x in str(text or "").replace(" ", "").split(",") if x]
+    if any(level < 1 or level > 64 for level in levels):
+        raise UserError(f"concurrency {text!r}: use whole numbers from 1 to 64, e.g. 1,2,4,8.", field="concurrency")
+    return levels
+
+
+def load_rows_of(load: dict) -> list[list]:
+    return [
+        [r["concurrency"], _r(r["speedup"]), _r(b["tokens_per_s"], 1), _r(s["tokens_per_s"], 1),
+         _r(b["latency_p50_s"]), _r(b["latency_p99_s"]), _r(s["latency_p50_s"]), _r(s["latency_p99_s"])]
+        for r, b, s in ((r, r["baseline"], r["speculative"]) for r in load["levels"])
+    ]  # fmt: skip
+
+
+def load_figure(load: dict) -> go.Figure:
+    """Total tokens/s of each side over concurrency (left axis) and their ratio (right axis)."""
+    xs = [r["concurrency"] for r in load["levels"]]
+    fig = go.Figure()
+    for side, color in (("baseline", "#6b7280"), ("speculative", "#7c3aed")):
+        fig.add_trace(go.Scatter(x=xs, y=[r[side]["tokens_per_s"] for r in load["levels"]], name=f"{side} tok/s",
+                                 line=dict(color=color)))  # fmt: skip
+    fig.add_trace(go.Scatter(x=xs, y=[r["speedup"] for r in load["levels"]], name="speedup × (right)", yaxis="y2",
+                             line=dict(color="#16a34a", dash="dot")))  # fmt: skip
+    fig.update_layout(
+        height=380, margin=dict(l=50, r=50, t=30, b=40), legend=dict(orientation="h"),
+        xaxis=dict(title=dict(text="requests at a time"), type="log", tickvals=xs),
+        yaxis=dict(title=dict(text="total tokens/s"), rangemode="tozero"),
+        yaxis2=dict(title=dict(text="speedup ×"), overlaying="y", side="right", rangemode="tozero"),
+    )  # fmt: skip
+    return fig
 
 
 def write_charts(folder: str, *figures: go.Figure) -> Path:
@@ -237,8 +291,10 @@ def stop(request: gr.Request) -> None:
 
 
 def wire(ui: SimpleNamespace, play: SimpleNamespace) -> None:
-    inputs = [ui.gammas, ui.temperatures, ui.drafters, ui.categories, ui.per_category, ui.repeats, ui.max_new_tokens]
-    outputs = [ui.uses, ui.verdict, ui.cells, ui.curve, ui.category_chart, ui.category_table, ui.snippets, ui.files]
+    inputs = [ui.gammas, ui.temperatures, ui.drafters, ui.categories, ui.per_category, ui.repeats, ui.max_new_tokens,
+              ui.concurrency]  # fmt: skip
+    outputs = [ui.uses, ui.verdict, ui.cells, ui.curve, ui.category_chart, ui.category_table, ui.load_chart,
+               ui.load_table, ui.snippets, ui.files]  # fmt: skip
     ui.run.click(on_gpu(run_sweep), inputs=inputs, inputs_kwargs=play.form, outputs=outputs, preprocess=False,
                  api_name="sweep", concurrency_limit=1, concurrency_id="device")  # fmt: skip
     ui.stop.click(stop, queue=False, api_visibility="private")

@@ -39,15 +39,20 @@ def _prob(label: str, value: float | None) -> str:
     return f"{label}={value:.3f}" if value is not None else ""
 
 
+def _probs(s: StepEvent, i: int) -> str:
+    """p and q of draft position i, where the backend reports them (vLLM does not)."""
+    if i >= len(s.p):
+        return "p and q not reported by this backend"
+    return f"{_prob('p', s.p[i])} {_prob('q', s.q[i])}"
+
+
 def _rejected(s: StepEvent) -> str:
     """The draft tokens the target did not keep: the first was tested and rejected, the rest never checked."""
     out = []
     for j, piece in enumerate(s.rejected_pieces):
         k = s.accepted + j
         if j == 0:
-            kind, title = "rej", f"step {s.step}, draft position {k + 1}: rejected, {_prob('p', s.p[k])} " + _prob(
-                "q", s.q[k]
-            )
+            kind, title = "rej", f"step {s.step}, draft position {k + 1}: rejected, {_probs(s, k)}"
         else:
             kind, title = "unk", f"step {s.step}, draft position {k + 1}: not checked (a draft token before it failed)"
         classes = "sa-tok sa-rej" + (" sa-unk" if kind == "unk" else "")
@@ -62,7 +67,7 @@ def speculative_tokens(steps: list[StepEvent]) -> str:
     for s in steps:
         for i, (token, piece) in enumerate(zip(s.tokens, s.pieces)):
             if i < s.accepted:
-                title = f"step {s.step}, draft position {i + 1}: accepted, {_prob('p', s.p[i])} {_prob('q', s.q[i])}"
+                title = f"step {s.step}, draft position {i + 1}: accepted, {_probs(s, i)}"
                 if piece:
                     out.append(_span("acc", piece, title))
                 continue
@@ -103,6 +108,12 @@ def _card(label: str, value: str, hint: str = "") -> str:
         f'<div class="sa-card"><div class="sa-card-v">{escape(value)}</div>'
         f'<div class="sa-card-l">{escape(label)}</div><div class="sa-card-h">{escape(hint)}</div></div>'
     )
+
+
+UNREPORTED = (
+    '<span class="sa-badge sa-info" title="vLLM reports how many draft tokens each step proposed and kept, not '
+    'which ones it rejected or their probabilities.">vLLM: rejected drafts counted, not shown</span>'
+)
 
 
 def verdict_badge(identical: bool | None, stopped: bool = False) -> str:

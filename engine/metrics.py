@@ -124,7 +124,8 @@ def summarise(mode: str, steps: list[StepEvent], text: str) -> RunResult:
     counts = position_counts(decode)
     tested = sum(r for r, _ in counts)
     alpha = sum(k for _, k in counts) / tested if tested else None
-    c = (draft_s / drafted) / (verify_s / len(decode)) if drafted and verify_s > 0 else None
+    # c is unknown where drafting is not timed apart from verifying (a server backend reports no draft time)
+    c = (draft_s / drafted) / (verify_s / len(decode)) if drafted and verify_s > 0 and draft_s > 0 else None
     # Leviathan's formula per step, summed: exact for a constant gamma, fair when gamma varies
     predicted = None
     if alpha is not None and c is not None:

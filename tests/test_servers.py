@@ -1,0 +1,67 @@
+"""Engine servers: started under a guardian, reused, stopped, and never left behind (with a plain HTTP
+server standing in for an engine: what is tested here is the process handling, not vLLM)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+
+import pytest
+
+from engine.errors import UserError
+from engine.servers import Pool, Server, free_port
+
+
+def http_server(port: int) -> list[str]:
+    return [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+
+
+def answers(port: int) -> bool:
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1)
+        return True
+    except OSError:
+        return False
+
+
+def test_a_server_is_reused_while_its_configuration_holds_and_stopped_at_the_end(tmp_path):
+    pool, port = Pool(), free_port()
+    first = pool.get(("a",), lambda: Server("web", http_server(port), port, "/"), timeout=30)
+    assert answers(port) and pool.get(("a",), lambda: pytest.fail("not reused"), timeout=30) is first
+    pool.stop_all()
+    assert not first.alive() and not answers(port)
+
+
+def test_a_server_that_fails_to_start_shows_the_end_of_its_log():
+    command = [sys.executable, "-c", "print('loading weights'); print('boom: no such model'); raise SystemExit(3)"]
+    with pytest.raises(UserError, match="(?s)exited with code 3 while starting.*boom: no such model"):
+        Server("engine", command, free_port(), "/").start(timeout=30)
+
+
+def test_a_crashed_app_leaves_no_server_behind(tmp_path):
+    """kill -9 of the app: the guardian sees it gone and stops the server."""
+    port = free_port()
+    app = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {os.getcwd()!r})
+        from engine.servers import Server
+        Server("web", {http_server(port)!r}, {port}, "/").start(timeout=30)
+        print("up", flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", app], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "up" and answers(port)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while answers(port) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not answers(port)
+    finally:
+        proc.kill()
