@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from engine.errors import UserError
@@ -68,7 +69,11 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--gamma", default="4", help="comma-separated, e.g. 1,2,4,8")
     bench.add_argument("--drafters", help="comma-separated drafters to sweep (default: --drafter)")
     bench.add_argument("--repeats", type=int, default=3, help="A/B pairs per prompt and cell")
-    bench.add_argument("--compare", choices=["hf"], help="hf: HF generate() and assisted generation vs ours")
+    bench.add_argument("--compare", choices=["hf", "direct"],
+                       help="hf: HF generate() and assisted generation vs ours; direct (vLLM): the same requests "
+                       "read through SpecArena and read raw, for SpecArena's own overhead")
+    bench.add_argument("--backends", help="comma-separated, e.g. transformers,vllm: the same sweep on each, one "
+                       "after the other, in one run")
     bench.add_argument("--concurrency", help="server backends: requests at a time, e.g. 1,2,4,8 (a load curve; "
                        "--repeats rounds of requests per level)")
     bench.add_argument("--json", metavar="PATH", help="write the whole report as JSON")
@@ -79,6 +84,11 @@ def parser() -> argparse.ArgumentParser:
             help="CUDA only: torch.compile the decode and verify passes (CUDA graphs over a static KV cache); "
             "the warm-up pays for compiling",
         )  # fmt: skip
+
+    gpu = sub.add_parser("gpu-check", help="both backends on Llama-3.1-8B / 3.2-1B shapes at synthetic alpha 0.8, "
+                         "gamma 5, bfloat16 on CUDA: tokens/s and speedup for each")
+    gpu.add_argument("--backends", default="transformers,vllm")
+    gpu.add_argument("--repeats", type=int, default=3)
 
     doctor = sub.add_parser("doctor", help="check a pair from configs and tokenizers, before loading weights")
     add_pair_args(doctor)
@@ -178,10 +188,25 @@ def cmd_bench(args) -> int:
             flat = [p for ps in prompts.values() for p in ps]
             data = load_curve(base, flat, _numbers(args.concurrency, int, "concurrency"), args.repeats, _progress)
             print(load_table(data))
+        elif args.compare == "direct":
+            from engine.vllm_backend import direct_overhead
+
+            flat = [p for ps in prompts.values() for p in ps]
+            data = direct_overhead(base, flat, args.repeats, _progress)
+            print("decode tokens/s through SpecArena / read raw, median (min-max): " + ", ".join(
+                f"{role} {_spread(spread)}" for role, spread in data["ratio"].items()))  # fmt: skip
         elif args.compare == "hf":
             flat = [p for ps in prompts.values() for p in ps]
             data = hfcompare.compare_hf(base, flat, args.repeats, _progress)
             print(hf_table(data))
+        elif args.backends:
+            drafters = args.drafters.split(",") if args.drafters else [base.drafter]
+            runs = {}
+            for name in args.backends.split(","):
+                on = replace(base, backend=name.strip())
+                runs[on.backend] = bench.sweep(on, prompts, gammas, temperatures, drafters, args.repeats, _progress)
+                print(f"== backend {on.backend}\n{sweep_table(runs[on.backend])}")
+            data = {"kind": "backends", "runs": runs}
         else:
             drafters = args.drafters.split(",") if args.drafters else [base.drafter]
             data = bench.sweep(base, prompts, gammas, temperatures, drafters, args.repeats, _progress)
@@ -190,7 +215,7 @@ def cmd_bench(args) -> int:
         return 130
     if args.json:
         Path(args.json).write_text(json.dumps(data, indent=1))
-    if args.report and data["kind"] != "load":
+    if args.report and data["kind"] == "sweep":
         for path in report.write(data, args.report).values():
             print(f"wrote {path}")
     return 0
@@ -277,7 +302,16 @@ def cmd_doctor(args) -> int:
     return 1 if report["verdict"] == "fail" else 0
 
 
-COMMANDS = {"run": cmd_run, "bench": cmd_bench, "doctor": cmd_doctor}
+def cmd_gpu_check(args) -> int:
+    """Random weights in real shapes (ours from random:<shape>, vLLM's from the same configs with
+    --load-format dummy), the draft's passes run for their cost, acceptance forced to alpha 0.8 on both."""
+    return main(["bench", "--backends", args.backends, "--target", "random:llama-3.1-8b", "--draft",
+                 "random:llama-3.2-1b", "--drafter", "synthetic", "--alpha", "0.8", "--gamma", "5", "--suite",
+                 "open_qa", "--per-category", "2", "--repeats", str(args.repeats), "--device", "cuda", "--dtype",
+                 "bfloat16", "--max-new-tokens", "128"])  # fmt: skip
+
+
+COMMANDS = {"run": cmd_run, "bench": cmd_bench, "doctor": cmd_doctor, "gpu-check": cmd_gpu_check}
 
 
 def main(argv: list[str] | None = None) -> int:

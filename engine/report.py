@@ -73,6 +73,8 @@ def snippets(report: dict) -> dict[str, str]:
     s = report["settings"]
     target, gamma, ngram = hub_name(s["target"]), best["gamma"], s.get("ngram", 3)
     gguf = f"{target.split('/')[-1]}.gguf"
+    if s.get("backend") == "vllm":
+        return {"vllm": vllm_serve(s, best)}
     if best["drafter"] == "prompt-lookup":
         return {
             "transformers": f"model.generate(**inputs, prompt_lookup_num_tokens={gamma}, "
@@ -90,6 +92,20 @@ def snippets(report: dict) -> dict[str, str]:
         "llama.cpp": f"llama-server -m {gguf} "
         + LLAMA_CPP_DRAFT.format(draft=f"{draft.split('/')[-1]}.gguf", gamma=gamma),
     }
+
+
+def vllm_serve(settings: dict, best: dict) -> str:
+    """The vLLM command with exactly the speculative_config the best cell was measured with (built by the same
+    function that configured the server), its models named by their Hub ids."""
+    from engine.settings import Settings
+    from engine.vllm_backend import draft_location, speculative_config
+
+    known = {k: v for k, v in settings.items() if k in Settings.names()}
+    cell = Settings(**known | {k: best[k] for k in ("drafter", "gamma", "temperature")})
+    config = speculative_config(cell, draft_location(cell))
+    if "model" in config:
+        config["model"] = hub_name(cell.draft)
+    return f"vllm serve {hub_name(cell.target)} --speculative-config '{json.dumps(config)}'"
 
 
 def _csv_row(cell: dict, category: str, stats: dict) -> list:

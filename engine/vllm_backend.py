@@ -32,6 +32,7 @@ from engine.runtime import TextStream, encode_prompt
 from engine.servers import POOL, Server, free_port, http_json
 from engine.settings import Settings
 
+SIDES = ("baseline", "speculative")
 UNKNOWN = -1  # the id of a draft token vLLM rejected: it reports how many, not which
 START_TIMEOUT = float(os.environ.get("SPECARENA_VLLM_START_TIMEOUT", "600"))
 # drafters -> vLLM speculative_config methods; the last three exist only on vLLM
@@ -88,6 +89,14 @@ def model_location(spec: str) -> tuple[str, dict]:
     if source.shape:
         return str(random_models.config_folder(source.shape)), {"--load-format": "dummy"}
     return (str(source.path) if source.path else source.spec), {}
+
+
+def gpu_share() -> str | None:
+    """Both servers share one GPU: each takes SPECARENA_VLLM_GPU_SHARE of its memory (0.4 by default, leaving
+    room for the in-process engine); None without a GPU."""
+    import torch
+
+    return os.environ.get("SPECARENA_VLLM_GPU_SHARE") or ("0.4" if torch.cuda.is_available() else None)
 
 
 def served_dtype(s: Settings) -> str:
@@ -162,8 +171,8 @@ class VLLM:
             common += [flag, value]
         common += os.environ.get("SPECARENA_VLLM_ARGS", "").split()  # the operator's own, e.g. --enforce-eager
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
-        if os.environ.get("SPECARENA_VLLM_GPU_SHARE"):
-            common += ["--gpu-memory-utilization", os.environ["SPECARENA_VLLM_GPU_SHARE"]]
+        if gpu_share():
+            common += ["--gpu-memory-utilization", gpu_share()]
         configs = {"baseline": [], "speculative": ["--speculative-config", json.dumps(spec_config),
                                                   "--per-request-spec-decode-metrics", "detailed"]}  # fmt: skip
         keys = {role: (python, tuple(common), tuple(args)) for role, args in configs.items()}
@@ -337,3 +346,53 @@ def _in_thread(fn) -> Generator[Status, None, object]:
         raise box["error"]
     return box["value"]
 
+
+
+def direct_overhead(s: Settings, prompts: list[str], repeats: int = 3, progress=lambda *a: None) -> dict:
+    """What SpecArena's path costs on vLLM: decode tokens/s of a streamed completion read through this backend
+    (events, detokenising, per-step record) over the same request read raw (bytes counted, nothing parsed
+    but the token ids), alternating which goes first, on both servers."""
+    from engine.bench import spread
+    from engine.compare import open_backend, result_of, run
+
+    backend = open_backend(s)
+    rows = []
+    for i, prompt in enumerate(prompts):
+        ids = backend.encode(prompt, s)
+        for role in ("baseline", "speculative"):
+            _raw(backend, role, ids, s)  # warm-up
+            for r in range(repeats):
+                progress(i * repeats + r, len(prompts) * repeats, f"prompt {i + 1}, {role}")
+                got = {}
+                for name in ("ours", "raw") if r % 2 == 0 else ("raw", "ours"):
+                    if name == "ours":
+                        events = backend._stream(role, ids, s, None)
+                        got[name] = result_of(run(role, events, backend.decode)).metrics.tokens_per_s
+                    else:
+                        got[name] = _raw(backend, role, ids, s)
+                rows.append({"prompt": i, "role": role, "repeat": r, **got, "ratio": got["ours"] / got["raw"]})
+    return {
+        "kind": "vllm_overhead", "settings": s.to_dict() | {"prompts": prompts, "repeats": repeats},
+        "environment": backend.environment,
+        "ratio": {side: spread([x["ratio"] for x in rows if x["role"] == side]) for side in SIDES},
+        "runs": rows,
+    }  # fmt: skip
+
+
+def _raw(backend: VLLM, role: str, ids: list[int], s: Settings) -> float:
+    """Decode tokens/s of one streamed completion read with nothing but json.loads: tokens after the first
+    over the time after the first chunk, as RunResult counts them."""
+    payload = {"model": backend.served, "prompt": ids, "max_tokens": s.max_new_tokens, "temperature": s.temperature,
+               "top_p": s.top_p, "top_k": s.top_k or -1, "seed": s.seed, "stream": True, "return_token_ids": True}
+    request = urllib.request.Request(backend.urls[role] + "/v1/completions", data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json", **headers()})  # fmt: skip
+    first = last = None
+    tokens = 0
+    with urllib.request.urlopen(request, timeout=600) as response:
+        for raw in response:
+            if raw.startswith(b"data: {"):
+                n = len(json.loads(raw[6:])["choices"][0].get("token_ids") or [])
+                if n:
+                    now = time.perf_counter()
+                    first, last, tokens = first or now, now, tokens + n
+    return (tokens - 1) / (last - first) if tokens > 1 and last > first else 0.0

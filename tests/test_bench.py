@@ -219,3 +219,15 @@ def test_adaptive_prompt_lookup_drafts_past_gamma_and_stays_identical(base, monk
     assert c.identical
     lengths = [len(step.drafted) for step in c.speculative.steps]
     assert max(lengths) > s.gamma  # gamma is where a schedule starts; this drafter sizes its own drafts
+
+
+def test_a_vllm_sweep_exports_the_speculative_config_it_measured():
+    from engine.settings import BUNDLED, Settings
+    from engine.vllm_backend import speculative_config
+
+    data = {"settings": {"target": BUNDLED, "draft": "", "ngram": 2, "backend": "vllm"},
+            "cells": [_cell("prompt-lookup", 6, 1.8)]}  # fmt: skip
+    measured = speculative_config(Settings(backend="vllm", gamma=6, ngram=2), None)
+    assert report.snippets(data) == {
+        "vllm": f"vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --speculative-config '{json.dumps(measured)}'"
+    }
