@@ -230,12 +230,18 @@ def _spread(s: dict, spec: str = ".2f", suffix: str = "") -> str:
 IDENTICAL = {True: "yes", False: "NO", None: "- (sampled)"}
 
 
+def versions(env: dict) -> str:
+    """The engine's versions: vLLM's for the vLLM backend, torch's and transformers' for ours."""
+    if env.get("backend") == "vllm":
+        return f"vLLM {env.get('vllm')}"
+    return f"torch {env['torch']}, transformers {env['transformers']}"
+
+
 def sweep_table(data: dict) -> str:
     from engine import report
 
     env = data["environment"]
-    lines = [f"{data['settings']['target']} on {env['device_name']} ({env['dtype']}), "
-             f"torch {env['torch']}, transformers {env['transformers']}",
+    lines = [f"{data['settings']['target']} on {env['device_name']} ({env['dtype']}), {versions(env)}",
              f"{'drafter':15}{'gamma':>6}{'temp':>6}  {'speedup (min-max)':22}{'accept':>8}{'tok/s base':>12}"
              f"{'tok/s spec':>12}  identical"]  # fmt: skip
     for c in data["cells"]:

@@ -61,28 +61,34 @@ def _tagged(field: str):
     return tag()
 
 
-def _load(spec: str, s: Settings, loaded: list[str]) -> Generator[Status, None, LoadedModel]:
-    """MODELS.get in a worker thread, so that what it reports (a download's progress, a conversion) reaches
-    the caller as Status events while it works. A model that was not in memory yet is added to `loaded`."""
-    if not MODELS.has(spec, s.dtype, s.device, compile=s.compile):
-        loaded.append(spec)
+def in_thread(work) -> Generator[Status, None, object]:
+    """Run work(say) in a worker thread, yielding what it says as Status events while it runs, and return
+    its result (or raise its error here). Loading a model or starting a server takes a while, and what it
+    reports (a download's progress, a server's log) should reach the caller as it happens."""
     messages: queue.Queue = queue.Queue()
     box: dict = {}
 
-    def work():
+    def run():
         try:
-            box["model"] = MODELS.get(spec, s.dtype, s.device, progress=messages.put, compile=s.compile)
+            box["value"] = work(messages.put)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread below
             box["error"] = exc
         finally:
             messages.put(None)
 
-    threading.Thread(target=work, name=f"load {spec}", daemon=True).start()
+    threading.Thread(target=run, daemon=True).start()
     while (message := messages.get()) is not None:
         yield Status(message)
     if "error" in box:
         raise box["error"]
-    return box["model"]
+    return box["value"]
+
+
+def _load(spec: str, s: Settings, loaded: list[str]) -> Generator[Status, None, LoadedModel]:
+    """MODELS.get in a worker thread (in_thread); a model that was not in memory yet is added to `loaded`."""
+    if not MODELS.has(spec, s.dtype, s.device, compile=s.compile):
+        loaded.append(spec)
+    return (yield from in_thread(lambda say: MODELS.get(spec, s.dtype, s.device, progress=say, compile=s.compile)))
 
 
 class Transformers:

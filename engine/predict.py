@@ -65,6 +65,7 @@ def fit(cells: list) -> dict:
     alphas = [k / r for r, k in pooled if r >= 5]  # positions with too little data fall back to alpha
     alphas = alphas[: next((i for i, (r, _) in enumerate(pooled) if r < 5), len(pooled))]
     ratios = [s.draft_token_s / s.baseline_step_s for s in samples if s.draft_token_s and s.baseline_step_s]
+    # a server backend times whole steps: drafting is inside V, and c is not known apart (0 in the formula)
     c = statistics.median(ratios) if ratios else 0.0
     verify = {}
     for cell in cells:
@@ -86,23 +87,24 @@ def fit(cells: list) -> dict:
         "temperature": cells[0].temperature,
         "alpha": alpha,
         "alpha_by_position": alphas,
-        "cost_ratio_c": c,
+        "cost_ratio_c": c if ratios else None,
         "verify_cost": [{"gamma": g, "cost": v} for g, v in sorted(verify.items())],
         "curve": curve,
         "best_gamma": best_measured,
         "best_speedup": measured.get(best_measured) if best_measured else None,
         "best_predicted_gamma": best_predicted["gamma"],
         "best_predicted_speedup": best_predicted["predicted"],
-        "verdict": verdict(alpha, c, verify, best_measured, measured, best_predicted),
+        "verdict": verdict(alpha, c, verify, best_measured, measured, best_predicted, c_known=bool(ratios)),
     }
 
 
-def verdict(alpha, c, verify, best_gamma, measured, best_predicted) -> str:
+def verdict(alpha, c, verify, best_gamma, measured, best_predicted, c_known: bool = True) -> str:
     """One plain sentence: which gamma to use, or why nothing wins here."""
+    cost = f"c {c:.3f}" if c_known else "drafting timed within each step"
     if best_gamma is not None and measured[best_gamma] > 1.0:
         return (
             f"use gamma {best_gamma}: measured {measured[best_gamma]:.2f}x "
-            f"(alpha {alpha:.2f}, c {c:.3f}; the model predicts {best_predicted['predicted']:.2f}x at "
+            f"(alpha {alpha:.2f}, {cost}; the model predicts {best_predicted['predicted']:.2f}x at "
             f"gamma {best_predicted['gamma']})."
         )
     if alpha <= c:

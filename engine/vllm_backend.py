@@ -15,9 +15,9 @@ time to first token, then each chunk's arrival; drafting is not timed apart from
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
-import queue
 import threading
 import time
 import urllib.error
@@ -25,6 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Generator, Iterator
 
+from engine.backends import in_thread
 from engine.errors import UserError
 from engine.events import Status
 from engine.metrics import StepEvent
@@ -184,7 +185,7 @@ class VLLM:
                 return Server(f"vLLM {role}", common + args + ["--port", str(port)], port, "/health", env)
 
             yield Status(f"starting the vLLM {role} server (30-60 s on a CPU)")
-            server = yield from _in_thread(lambda k=keys[role], m=make: POOL.get(k, m, START_TIMEOUT))
+            server = yield from in_thread(lambda say, k=keys[role], m=make: POOL.get(k, m, START_TIMEOUT, say))
             self.urls[role] = server.url
         self.max_len = http_json(self.urls["baseline"] + "/v1/models")["data"][0].get("max_model_len")
         self.config = {"remote": False, "speculative_config": spec_config, "dtype": served_dtype(s)}
@@ -282,7 +283,8 @@ class VLLM:
 
 
 def _sse(response, role: str, backend: VLLM) -> Iterator[dict]:
-    """The JSON chunks of a server-sent event stream, until [DONE]."""
+    """The JSON chunks of a server-sent event stream, until [DONE]; a stream that ends before it, or breaks,
+    is the server's failure, never a short answer."""
     try:
         for raw in response:
             line = raw.decode().strip()
@@ -292,8 +294,9 @@ def _sse(response, role: str, backend: VLLM) -> Iterator[dict]:
             if data == "[DONE]":
                 return
             yield json.loads(data)
-    except (OSError, urllib.error.URLError) as exc:
+    except (OSError, urllib.error.URLError, http.client.HTTPException, ValueError) as exc:
         raise backend._failure(role, exc) from None
+    raise backend._failure(role, EOFError("the stream ended before [DONE]"))
 
 
 def _correct(steps: list[StepEvent], metrics: dict) -> None:
@@ -321,31 +324,6 @@ def _correct(steps: list[StepEvent], metrics: dict) -> None:
         step.accepted = accepted
         step.drafted = step.tokens[:accepted] + [UNKNOWN] * max(drafted - accepted, 0)
         step.kind = "target" if drafted == 0 else "bonus" if accepted == drafted else "correction"
-
-
-def _in_thread(fn) -> Generator[Status, None, object]:
-    """Run fn in a worker thread (a server start takes a while), yielding nothing until it ends."""
-    box: dict = {}
-    done: queue.Queue = queue.Queue()
-
-    def work():
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            box["error"] = exc
-        done.put(None)
-
-    threading.Thread(target=work, daemon=True).start()
-    while True:
-        try:
-            done.get(timeout=5)
-            break
-        except queue.Empty:
-            yield Status("still starting the vLLM server…")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
 
 
 def direct_overhead(s: Settings, prompts: list[str], repeats: int = 3, progress=lambda *a: None) -> dict:

@@ -112,6 +112,38 @@ def test_the_app_runs_a_comparison_on_vllm_and_says_what_vllm_does_not_report(vl
     assert "p and q not reported" in spec_pane  # hovering an accepted draft token says so
 
 
+def test_bench_sweeps_and_load_curves_run_on_vllm(vllm_python, capsys, tmp_path):
+    import json
+
+    from engine.__main__ import main
+
+    common = ["bench", "--backend", "vllm", "--prompt", REWRITE, "--gamma", "4", "--repeats", "1", "--seed", "0"]
+    assert main(common + ["--max-new-tokens", "16", "--report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "vLLM 0.32" in out and "prompt-lookup" in out and "yes" in out  # identical
+    assert "--speculative-config" in (tmp_path / "settings.md").read_text()
+    assert main(common + ["--max-new-tokens", "8", "--concurrency", "1,2", "--json", str(tmp_path / "l.json")]) == 0
+    load = json.loads((tmp_path / "l.json").read_text())
+    assert [r["concurrency"] for r in load["levels"]] == [1, 2]
+    assert all(r["baseline"]["requests"] == r["concurrency"] and r["speculative"]["tokens_per_s"] > 0
+               for r in load["levels"])  # fmt: skip
+    assert "at a time" in capsys.readouterr().out
+
+
+def test_a_server_that_dies_mid_run_is_reported(vllm_python):
+    import signal
+
+    from engine.compare import stream_compare
+    from engine.events import Step
+
+    events = stream_compare(settings(max_new_tokens=400), "Write a long story about the sea.")
+    with pytest.raises(UserError, match="vLLM speculative server (died during the run|stopped answering)"):
+        for event in events:
+            if isinstance(event, Step) and event.mode == "speculative" and event.event.step == 2:
+                server = next(x for x in POOL.running() if x.name == "vLLM speculative")
+                os.killpg(server.process.pid, signal.SIGKILL)
+
+
 def test_bad_setups_get_clear_messages_and_leave_nothing_running(vllm_python, monkeypatch):
     from engine.compare import open_backend
 
