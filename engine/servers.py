@@ -142,6 +142,10 @@ class Pool:
                 server.stop()
             self._servers.clear()
 
+    def find(self, url: str) -> Server | None:
+        """The server started at `url`, alive or not."""
+        return next((server for server in self._servers.values() if server.url == url), None)
+
     def running(self) -> list[Server]:
         return [s for s in self._servers.values() if s.alive()]
 

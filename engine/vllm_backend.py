@@ -273,7 +273,7 @@ class VLLM:
             steps[-1].finished = "length"
 
     def _failure(self, role: str, exc: Exception) -> UserError:
-        server = next((x for x in POOL.running() if x.url == self.urls.get(role)), None)
+        server = POOL.find(self.urls.get(role, ""))
         if isinstance(exc, urllib.error.HTTPError):
             body = exc.read().decode(errors="replace")[:500]
             return UserError(f"the vLLM {role} server refused the request ({exc.code}: {body}).")
