@@ -210,12 +210,12 @@ def compare(prompt, history, request: gr.Request, **form):
         check_prompt(prompt)
         s = settings_from(**form)
     except UserError as exc:  # nothing ran: mark the field, count no run
-        yield (gr.skip(), f"not started: {exc}", *skip[:7], render.field_error(exc))
+        yield (gr.skip(), f"not started: {exc}", *skip, render.field_error(exc))
         raise _error(exc) from None
     session = session_of(request)
     stop = STOPS.start(session)
     live, last_text, last_chart = Live(number=len(history) + 1), 0.0, 0.0
-    yield (gr.skip(), live.status_line() + " · starting", *skip[:7], "")
+    yield (gr.skip(), live.status_line() + " · starting", *skip, "")
     try:
         for event in stream_compare(s, prompt, stop):
             live.add(event)
