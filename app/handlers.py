@@ -22,7 +22,7 @@ from app import charts, render
 from app.memory import SAMPLER
 from engine import policy, presets
 from engine.compare import Comparison, stream_compare
-from engine.errors import UserError
+from engine.errors import UserError, blame
 from engine.events import Done, Event, RunDone, RunStarts, Status, Step
 from engine.metrics import RunResult, summarise
 from engine.models import MODELS
@@ -88,10 +88,8 @@ def settings_from(**form) -> Settings:
     s = Settings.from_form(**form).validate()
     for name in ("target", "draft"):
         if name == "target" or (s.drafter in TAKES_DRAFT and s.draft):
-            try:
+            with blame(name):
                 s = replace(s, **{name: policy.app_model(getattr(s, name))})
-            except UserError as exc:
-                raise UserError(str(exc), field=name) from None
     return s
 
 

@@ -18,7 +18,7 @@ import torch
 from engine.baseline import baseline_decode
 from engine.cpu import cpu_name
 from engine.drafters import Drafter, DraftModel, PromptLookup, Synthetic
-from engine.errors import OutOfMemory, UserError
+from engine.errors import OutOfMemory, UserError, blame
 from engine.events import Status
 from engine.metrics import StepEvent
 from engine.models import MODELS, LoadedModel, free_memory, resolve_device
@@ -44,21 +44,6 @@ def guarded():
             "the device ran out of memory during generation: lower max new tokens or gamma, choose dtype "
             "bfloat16/float16, or pick a smaller pair. Memory has been freed; the next run can go ahead."
         ) from exc
-
-
-def _tagged(field: str):
-    """A UserError without a field, raised while handling `field`, is about that field."""
-
-    @contextmanager
-    def tag():
-        try:
-            yield
-        except UserError as exc:
-            if exc.field is None:
-                exc.field = field
-            raise
-
-    return tag()
 
 
 def in_thread(work) -> Generator[Status, None, object]:
@@ -109,13 +94,13 @@ class Transformers:
                 field="compile",
             )
         yield Status(f"loading target {s.target}")
-        with _tagged("target"):
+        with blame("target"):
             target = yield from _load(s.target, s, self.loaded)
         yield Status("target " + target.describe())
         draft = None
         if s.uses_draft:
             yield Status(f"loading draft {s.draft}")
-            with _tagged("draft"):
+            with blame("draft"):
                 draft = yield from _load(s.draft, s, self.loaded)
                 self._check_vocab(target, draft, s)
             yield Status("draft " + draft.describe())

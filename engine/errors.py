@@ -1,5 +1,7 @@
 """Errors a user can cause. Their message says what to do; the CLI and the app show it verbatim."""
 
+from contextlib import contextmanager
+
 
 class UserError(Exception):
     """Bad input or an environment problem the user can fix (wrong model name, absurd values, ...).
@@ -14,3 +16,14 @@ class UserError(Exception):
 
 class OutOfMemory(UserError):
     """The device ran out of memory; the message suggests a smaller setting."""
+
+
+@contextmanager
+def blame(field: str):
+    """A UserError without a field, raised while handling `field`, is about that field."""
+    try:
+        yield
+    except UserError as exc:
+        if exc.field is None:
+            exc.field = field
+        raise
