@@ -138,6 +138,7 @@ class Transformers:
             "cpu_threads": torch.get_num_threads(),
             "dtype": str(target.dtype).replace("torch.", ""),
             "linear_forms": target.linear_forms,
+            "step_s_at_load": target.step_s,
         }
 
     def encode(self, prompt: str, s: Settings) -> list[int]:

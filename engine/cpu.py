@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import time
 from pathlib import Path
 
 import psutil
@@ -106,9 +105,11 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _time_passes(model, rows: tuple[int, ...], repeats: int = 3, context: int = 64) -> dict[int, float]:
+def time_passes(model, rows: tuple[int, ...], repeats: int = 3, context: int = 64) -> dict[int, float]:
     """Best-of-`repeats` seconds of a forward pass of each row count, after a `context`-token prefix."""
-    from engine.runtime import forward, new_cache
+    from engine.runtime import Clock, forward, new_cache
+
+    clock = Clock(model.device)
 
     cache = new_cache(model)
     vocab = model.config.get_text_config().vocab_size
@@ -117,9 +118,9 @@ def _time_passes(model, rows: tuple[int, ...], repeats: int = 3, context: int = 
     for n in rows:
         best[n] = float("inf")
         for _ in range(repeats + 1):  # the first call of a size warms it up
-            start = time.perf_counter()
+            start = clock.now()
             forward(model, [1] * n, cache)
-            best[n] = min(best[n], time.perf_counter() - start)
+            best[n] = min(best[n], clock.now() - start)
             cache.crop(-n)
     return best
 
@@ -159,10 +160,10 @@ def choose_forms(model, layers: list[PackedLinear], key: str, cache_file: Path) 
         with torch.inference_mode():
             for layer in layers:
                 layer.min_rows = NEVER
-            stock = _time_passes(model, ROWS)
+            stock = time_passes(model, ROWS)
             for layer in layers:
                 layer.min_rows = 1
-            packed = _time_passes(model, ROWS)
+            packed = time_passes(model, ROWS)
         min_rows = _decide(stock, packed)
         measured = {"stock_s": stock, "packed_s": packed}
         if 1 < min_rows < NEVER and _second_copy_too_big(layers):

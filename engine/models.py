@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from engine import random_models
-from engine.cpu import NEVER, choose_forms, pack_linears
+from engine.cpu import NEVER, choose_forms, pack_linears, time_passes
 from engine.errors import OutOfMemory, UserError
 from engine.runtime import compile_decoding, measure_verify_costs
 from engine.settings import BUNDLED, MAX_GAMMA
@@ -173,6 +173,7 @@ class LoadedModel:
     packed_linears: int = field(default=0)  # linear layers running oneDNN-packed weights for some passes
     compiled: bool = field(default=False)  # decode and verify passes run through torch.compile
     linear_forms: str = field(default="")  # which form of the linear layers runs for which pass size (engine.cpu)
+    step_s: float | None = field(default=None)  # a one-token forward pass (after 64 tokens), timed at load
 
     @property
     def context_length(self) -> int | None:
@@ -335,11 +336,13 @@ def _load(
             progress(f"timing {source.spec}'s linear layers, stock and packed (once per model and CPU)")
         forms = choose_forms(model, layers, f"{source.spec}|{dtype}", cache_dir() / "cpu-forms.json")
     packed = 0 if forms["min_rows"] in (None, NEVER) else len(layers)
+    with torch.inference_mode():  # what one decode step costs right now: the yardstick for suspect runs
+        step_s = time_passes(model, (1,))[1]
     if compile:
         compile_decoding(model)
     took = time.perf_counter() - start
     return LoadedModel(source.spec, model, tokenizer, device, dtype, took, params, vocab, packed, compile,
-                       forms["linear_forms"])  # fmt: skip
+                       forms["linear_forms"], step_s)  # fmt: skip
 
 
 def _random(source: Source, device: torch.device, dtype: torch.dtype):

@@ -1,8 +1,9 @@
 """Is a comparison's speedup believable? Reasons to doubt one, in words, so that a UI flags the run instead
 of presenting its number.
 
-A measured speedup far from what the run's own alpha, c and verify costs predict, or a side running far
-from the speed the same model showed in recent runs, usually means the machine did something else
+A measured speedup far from what the run's own alpha, c and verify costs predict, a baseline far slower than
+the one-token pass timed when the model was loaded, or a side running far from the speed the same model
+showed in recent runs, usually means the machine did something else
 meanwhile: the first run after loading a model (caches, allocators, packed weights settling), another
 process taking the CPU, a thermal or frequency change. Each check names what it saw.
 """
@@ -78,6 +79,13 @@ def suspicions(c, recent: RecentSpeeds = RECENT_SPEEDS) -> list[str]:
         reasons.append(
             f"the measured speedup {c.speedup:.2f}x is far from the {predicted:.2f}x that this run's own "
             "acceptance, draft cost and verify costs predict"
+        )
+    step_s = c.environment.get("step_s_at_load")
+    base = c.baseline.metrics.tokens_per_s
+    if step_s and base and base * step_s * FAR < 1:
+        reasons.append(
+            f"the baseline ran at {base:.1f} tok/s where a one-token pass of this model, timed when it was loaded, "
+            f"took {step_s * 1000:.0f} ms (about {1 / step_s:.0f} tok/s)"
         )
     for side, key in speed_keys(c).items():
         speed = getattr(c, side).metrics.tokens_per_s

@@ -79,3 +79,20 @@ def test_the_best_setting_says_what_it_rests_on():
     clear = report.best_setting({"cells": [cell("prompt-lookup", 4, 2.0, 1.9, 2.1, 6),
                                            cell("prompt-lookup", 8, 1.2, 1.1, 1.3, 6)]})  # fmt: skip
     assert clear["notes"] == []
+
+
+def test_a_baseline_far_slower_than_the_pass_timed_at_load_is_suspect():
+    slow = comparison(1.0, 1.0)  # the baseline runs at ~19 tok/s
+    slow.environment = {"device": "cpu", "step_s_at_load": 0.005}  # 5 ms a token when the model was loaded
+    reasons = suspicions(slow, RecentSpeeds())
+    assert any("timed when it was loaded, took 5 ms (about 200 tok/s)" in r for r in reasons)
+    usual = comparison(1.0, 1.0)
+    usual.environment = {"device": "cpu", "step_s_at_load": 0.045}
+    assert suspicions(usual, RecentSpeeds()) == []
+
+
+def test_loading_times_a_one_token_pass(model_dirs):
+    from engine.models import ModelCache
+
+    loaded = ModelCache(max_models=1).get(model_dirs["target"])
+    assert loaded.step_s is not None and 0 < loaded.step_s < 5
