@@ -236,7 +236,6 @@ def run_sweep(
     curve, categories = curve_figure(data), category_figure(data)
     paths.append(write_charts(folder, curve, categories))
     verdicts = "\n".join(f"- **{f['drafter']}, temperature {f['temperature']}**: {f['verdict']}" for f in data["fits"])
-    best = report.best_setting(data)
     verdicts += "".join(f"\n\n⚠ Best setting: {note}." for note in (best["notes"] if best else []))
     uses = uses_markdown(base, sum(len(p) for p in prompts.values()), int(repeats))
     load = data.get("load")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,13 +24,8 @@ from gradio_client import Client
 from app.handlers import API_FIELDS
 from engine import presets
 from engine.compare import compare
+from engine.servers import free_port
 from engine.settings import Settings
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ import platform
 import queue
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Generator, Iterator
 
 import torch
@@ -188,8 +188,3 @@ def backend_for(s: Settings):
 
         return VLLM()
     return Transformers()
-
-
-def warm_settings(s: Settings) -> Settings:
-    """A few tokens of the same kind of run: warm caches, allocators and kernels before anything is timed."""
-    return replace(s, max_new_tokens=min(8, s.max_new_tokens))

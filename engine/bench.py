@@ -126,7 +126,7 @@ class Session:
         self._references: dict[tuple, list[int]] = {}
         self._warm: set[tuple] = set()
 
-    def with_draft(self, s: Settings) -> "Session":
+    def ready_for(self, s: Settings) -> "Session":
         """The backend is opened again when a cell needs what it does not serve: a draft model that only a
         later cell uses, or (on a server backend) another speculative configuration."""
         if not self.backend.serves(s):
@@ -153,7 +153,7 @@ class Session:
     def ab(self, s: Settings, prompt: str, prompt_index: int, repeats: int) -> list[Sample]:
         """`repeats` A/B pairs on one prompt, alternating which side runs first. A warm-up comes first
         whenever the drafter, gamma, temperature or prompt changes."""
-        self.with_draft(s)
+        self.ready_for(s)
         ids = self.backend.encode(prompt, s)
         reference = self.reference(prompt, ids) if s.drafter == "synthetic" else []
         key = (prompt, s.drafter, s.gamma, s.temperature)

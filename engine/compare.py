@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
-from engine.backends import backend_for, guarded, warm_settings
+from engine.backends import backend_for, guarded
 from engine.events import Done, Event, RunDone, RunStarts, Status, Step
 from engine.metrics import RunResult, StepEvent, summarise
 from engine.settings import Settings, check_prompt
@@ -92,7 +92,7 @@ def result_of(events: Iterator[Event]) -> RunResult:
 
 def warm_up(backend, ids: list[int], s: Settings) -> None:
     """A few tokens of each kind of run, so the timed runs see warm caches, allocators and kernels."""
-    warm = warm_settings(s)
+    warm = replace(s, max_new_tokens=min(8, s.max_new_tokens))
     result_of(run("baseline", backend.baseline(ids, warm), backend.decode))
     result_of(run("speculative", backend.speculative(ids, warm, []), backend.decode))
 

@@ -122,7 +122,6 @@ class VLLM:
         self.max_len: int | None = None
         self.tokenizer = None
         self.config: dict = {}
-        self.info: dict = {}
         self.loaded: list[str] = []
         self.serving: tuple | None = None  # what the speculative server runs: model, dtype, speculative_config
 
@@ -165,15 +164,16 @@ class VLLM:
         target, extra = model_location(s.target)
         spec_config = speculative_config(s, draft_location(s))
         self.served = s.target
+        dtype, share = served_dtype(s), gpu_share()
         common = [str(Path(python).expanduser()), "-m", "vllm.entrypoints.openai.api_server", "--model", target,
                   "--served-model-name", s.target, "--host", "127.0.0.1", "--no-enable-prefix-caching",
-                  "--dtype", served_dtype(s), "--seed", "0"]  # fmt: skip
+                  "--dtype", dtype, "--seed", "0"]  # fmt: skip
         for flag, value in extra.items():
             common += [flag, value]
         common += os.environ.get("SPECARENA_VLLM_ARGS", "").split()  # the operator's own, e.g. --enforce-eager
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
-        if gpu_share():
-            common += ["--gpu-memory-utilization", gpu_share()]
+        if share:
+            common += ["--gpu-memory-utilization", share]
         configs = {"baseline": [], "speculative": ["--speculative-config", json.dumps(spec_config),
                                                   "--per-request-spec-decode-metrics", "detailed"]}  # fmt: skip
         keys = {role: (python, tuple(common), tuple(args)) for role, args in configs.items()}
@@ -188,7 +188,7 @@ class VLLM:
             server = yield from in_thread(lambda say, k=keys[role], m=make: POOL.get(k, m, START_TIMEOUT, say))
             self.urls[role] = server.url
         self.max_len = http_json(self.urls["baseline"] + "/v1/models")["data"][0].get("max_model_len")
-        self.config = {"remote": False, "speculative_config": spec_config, "dtype": served_dtype(s)}
+        self.config = {"remote": False, "speculative_config": spec_config, "dtype": dtype}
         self.serving = (s.target, s.dtype, json.dumps(spec_config, sort_keys=True))
 
     def serves(self, s: Settings) -> bool:
@@ -229,14 +229,7 @@ class VLLM:
     def _stream(self, role: str, ids: list[int], s: Settings, stop) -> Iterator[StepEvent]:
         """One streamed completion as StepEvents: a chunk is a step; the last chunk's per-step counts then
         correct what each step drafted."""
-        payload = {
-            "model": self.served, "prompt": ids, "max_tokens": s.max_new_tokens, "temperature": s.temperature,
-            "top_p": s.top_p, "top_k": s.top_k or -1, "seed": s.seed if s.seed is not None else None,
-            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
-            "skip_special_tokens": False,
-        }  # fmt: skip
-        request = urllib.request.Request(self.urls[role] + "/v1/completions", data=json.dumps(payload).encode(),
-                                         headers={"Content-Type": "application/json", **headers()})  # fmt: skip
+        request = self._request(role, ids, s, stream_options={"include_usage": True}, skip_special_tokens=False)
         stream, steps, metrics = TextStream(self.tokenizer), [], None
         started = time.perf_counter()
         last = started
@@ -271,6 +264,14 @@ class VLLM:
             _correct(steps, metrics)
         if steps and steps[-1].finished is None:
             steps[-1].finished = "length"
+
+    def _request(self, role: str, ids: list[int], s: Settings, **extra) -> urllib.request.Request:
+        """A streamed completion of `ids` with the settings' sampling, token ids returned, for one server."""
+        payload = {"model": self.served, "prompt": ids, "max_tokens": s.max_new_tokens, "temperature": s.temperature,
+                   "top_p": s.top_p, "top_k": s.top_k or -1, "seed": s.seed, "stream": True, "return_token_ids": True,
+                   **extra}  # fmt: skip
+        return urllib.request.Request(self.urls[role] + "/v1/completions", data=json.dumps(payload).encode(),
+                                      headers={"Content-Type": "application/json", **headers()})  # fmt: skip
 
     def _failure(self, role: str, exc: Exception) -> UserError:
         server = POOL.find(self.urls.get(role, ""))
@@ -312,7 +313,7 @@ def _correct(steps: list[StepEvent], metrics: dict) -> None:
         fits = j < len(records) and (records[j][1] == n - 1 or (last and records[j][1] >= n - 1))
         if n > 1 and not fits:
             return  # a record that does not line up with the stream is left out rather than guessed at
-        if fits and (n > 1 or len(decode) - i <= len(records) - j or records[j][1] == 0):
+        if fits:
             plan.append((step, *records[j]))
             j += 1
         else:
@@ -360,10 +361,7 @@ def direct_overhead(s: Settings, prompts: list[str], repeats: int = 3, progress=
 def _raw(backend: VLLM, role: str, ids: list[int], s: Settings) -> float:
     """Decode tokens/s of one streamed completion read with nothing but json.loads: tokens after the first
     over the time after the first chunk, as RunResult counts them."""
-    payload = {"model": backend.served, "prompt": ids, "max_tokens": s.max_new_tokens, "temperature": s.temperature,
-               "top_p": s.top_p, "top_k": s.top_k or -1, "seed": s.seed, "stream": True, "return_token_ids": True}
-    request = urllib.request.Request(backend.urls[role] + "/v1/completions", data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json", **headers()})  # fmt: skip
+    request = backend._request(role, ids, s)
     first = last = None
     tokens = 0
     with urllib.request.urlopen(request, timeout=600) as response:

@@ -102,14 +102,6 @@ def model_dirs(tmp_path_factory, llama_pair):
     return {name: str(root / name) for name in ("target", "draft", "other-vocab")}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def live_app():
     """`python app.py` on a free loopback port, on the bundled model; yields its URL."""
@@ -119,7 +111,9 @@ def live_app():
     import urllib.request
     from pathlib import Path
 
-    port = _free_port()
+    from engine.servers import free_port
+
+    port = free_port()
     env = dict(os.environ, GRADIO_SERVER_NAME="127.0.0.1", GRADIO_SERVER_PORT=str(port), GRADIO_ANALYTICS_ENABLED="0",
                SPECARENA_QUEUE_SIZE="4")  # fmt: skip
     env.pop("SPECARENA_MODELS_DIR", None)  # as a public app runs: no local folders, whatever ran before
