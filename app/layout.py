@@ -20,8 +20,10 @@ CSS = (ASSETS / "style.css").read_text()
 THEME = gr.themes.Soft(primary_hue="violet", secondary_hue="emerald")
 DRAFTERS = [("draft model", "draft-model"), ("prompt lookup (no model)", "prompt-lookup"),
             ("synthetic α (measurement tool)", "synthetic"), ("suffix (vLLM)", "suffix"), ("EAGLE-3 (vLLM)", "eagle3"),
-            ("MTP (vLLM)", "mtp")]  # fmt: skip
-BACKENDS = [("transformers (this process)", "transformers"), ("vLLM (its servers)", "vllm")]
+            ("MTP (vLLM)", "mtp"), ("n-gram mod (llama.cpp)", "ngram-mod"),
+            ("n-gram map-k (llama.cpp)", "ngram-map-k")]  # fmt: skip
+BACKENDS = [("transformers (this process)", "transformers"), ("vLLM (its servers)", "vllm"),
+            ("llama.cpp (llama-server)", "llama.cpp")]  # fmt: skip
 EXAMPLES = [  # (category, index, label): where speculation wins and where it loses
     ("rewriting", 0, "wins · correct the spelling of given text"),
     ("summarisation", 0, "wins · summarise given text"),
@@ -35,7 +37,7 @@ def target_info() -> str:
     """What the target box accepts here: local folders only where the operator allows them."""
     folder = os.environ.get("SPECARENA_MODELS_DIR")
     where = f", a model folder in {folder}" if folder else ""
-    return f"Hub id (org/name[@rev]){where}, {BUNDLED} or random:<shape>"
+    return f"Hub id (org/name[@rev]){where}, {BUNDLED} or random:<shape>; llama.cpp: org/repo/file.gguf"
 
 
 INTRO = """# SpecArena
@@ -61,7 +63,8 @@ def build_layout() -> SimpleNamespace:
             ui.preset = gr.Dropdown([p["name"] for p in presets.pairs()], value=default["name"], label="preset")
             ui.preset_note = gr.Markdown(f"{default['note']}  \n*Measured on:* {default['measured_on']}")
             widget("backend", gr.Radio(BACKENDS, value="transformers", label="backend",
-                                       info="where both runs happen; vLLM needs SPECARENA_VLLM_PYTHON or its URLs"))
+                                       info="where both runs happen; vLLM needs SPECARENA_VLLM_PYTHON or its URLs, "
+                                       "llama.cpp a llama-server (README)"))
             widget("target", gr.Textbox(BUNDLED, label="target model", info=target_info()))
             widget("drafter", gr.Radio(DRAFTERS, value=default["drafter"], label="drafter"))
             widget("draft", gr.Textbox(
@@ -83,6 +86,11 @@ def build_layout() -> SimpleNamespace:
                     info="prompt lookup sizes each draft from the measured cost of a verify pass and what held so "
                     "far; a draft model starts at γ and goes +2 after a fully accepted draft, -1 after a miss",
                 ))  # fmt: skip
+                widget("p_min", gr.Slider(0, 0.95, value=0, step=0.05, label="draft model: confidence stop",
+                                          info="stop drafting where the draft's top probability falls below this "
+                                          "(0 = off)"))  # fmt: skip
+                widget("draft_min", gr.Slider(0, MAX_GAMMA, value=0, step=1, label="shortest draft",
+                                              info="drafts shorter than this are not verified (0 = any)"))  # fmt: skip
                 widget("seed", gr.Number(0, precision=0, label="seed (-1 = random)"))
                 widget("chat", gr.Checkbox(True, label="chat template (when the target has one)"))
                 widget("dtype", gr.Dropdown(list(DTYPES), value="auto", label="dtype"))

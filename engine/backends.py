@@ -168,12 +168,13 @@ class Transformers:
         """`reference` is the target's own continuation, used only by the synthetic drafter."""
         model, tok = self.pair.target.model, self.pair.target.tokenizer
         drafter = self.drafter(s, ids, reference)
+        drafter.min_tokens = s.draft_min
         return speculative_decode(model, tok, ids, drafter, s.sampling, s.max_new_tokens, eos_ids(model, tok), stop)
 
     def drafter(self, s: Settings, ids: list[int], reference: list[int]) -> Drafter:
         pair, room = self.pair, len(ids) + s.max_new_tokens + MAX_GAMMA
         if s.drafter == "draft-model":
-            return DraftModel(pair.draft.model, pair.target.vocab_size, room, s.gamma, s.adaptive)
+            return DraftModel(pair.draft.model, pair.target.vocab_size, room, s.gamma, s.adaptive, s.p_min)
         if s.drafter == "prompt-lookup":
             costs = pair.target.verify_costs if s.adaptive else None
             return PromptLookup(max_ngram=s.ngram, costs=costs, gamma=s.gamma)
@@ -187,4 +188,8 @@ def backend_for(s: Settings):
         from engine.vllm_backend import VLLM
 
         return VLLM()
+    if s.backend == "llama.cpp":
+        from engine.llamacpp import LlamaCpp
+
+        return LlamaCpp()
     return Transformers()

@@ -106,12 +106,16 @@ class Cell:
     temperature: float
     samples: list[Sample]
     categories: list[str]  # the category of each sample
+    p_min: float = 0.0
+    server_command: str = ""  # a server backend's speculative command line, exactly as it ran this cell
 
     def summary(self) -> dict:
         by_category = {}
         for name in dict.fromkeys(self.categories):
             by_category[name] = _stats([s for s, c in zip(self.samples, self.categories) if c == name])
-        head = {"drafter": self.drafter, "gamma": self.gamma, "temperature": self.temperature}
+        head = {"drafter": self.drafter, "gamma": self.gamma, "temperature": self.temperature, "p_min": self.p_min}
+        if self.server_command:
+            head["server_command"] = self.server_command
         return head | _stats(self.samples) | {"by_category": by_category}
 
 
@@ -156,7 +160,7 @@ class Session:
         self.ready_for(s)
         ids = self.backend.encode(prompt, s)
         reference = self.reference(prompt, ids) if s.drafter == "synthetic" else []
-        key = (prompt, s.drafter, s.gamma, s.temperature)
+        key = (prompt, s.drafter, s.gamma, s.temperature, s.p_min)
         with guarded():
             if key not in self._warm:
                 warm_up(self.backend, ids, s)
@@ -176,9 +180,11 @@ class Session:
         return samples
 
 
-def _cell_settings(base: Settings, drafter: str, gamma: int, temperature: float) -> Settings:
+def _cell_settings(base: Settings, drafter: str, gamma: int, temperature: float, p_min: float = 0.0) -> Settings:
     draft = base.draft if drafter in TAKES_DRAFT else ""
-    return replace(base, drafter=drafter, draft=draft, gamma=gamma, temperature=temperature).validate()
+    draft_min = min(base.draft_min, gamma)
+    return replace(base, drafter=drafter, draft=draft, gamma=gamma, temperature=temperature, p_min=p_min,
+                   draft_min=draft_min).validate()  # fmt: skip
 
 
 def sweep(
@@ -190,11 +196,14 @@ def sweep(
     repeats: int = 3,
     progress: Progress = _quiet,
     stop: threading.Event | None = None,
+    p_mins: list[float] | None = None,
 ) -> dict:
-    """Every (drafter, gamma, temperature) cell measured on every prompt (grouped by task category).
+    """Every (drafter, gamma, temperature, confidence stop) cell measured on every prompt (grouped by task
+    category). The confidence stops apply to the draft model only; other drafters run at the first.
 
     A task-suite run is a sweep with one cell: its `by_category` gives speedup and acceptance per task.
     """
+    p_mins = p_mins or [base.p_min]
     flat = [(category, p) for category, ps in prompts.items() for p in ps]
     if not flat or not gammas or not temperatures or not drafters:
         raise UserError("a sweep needs at least one prompt, gamma, temperature and drafter.")
@@ -202,23 +211,27 @@ def sweep(
         raise UserError(f"repeats {repeats} is out of range: use 1 or more.")
     if "draft-model" in drafters and not base.draft:
         raise UserError("the sweep includes the draft-model drafter but no draft model is set.")
-    grid = [(d, g, t) for d in drafters for t in temperatures for g in gammas]
-    for d, g, t in grid:  # every cell's settings are checked before hours of measuring start
-        _cell_settings(base, d, g, t)
+    grid = [(d, g, t, p) for d in drafters for t in temperatures for g in gammas
+            for p in (p_mins if d == "draft-model" else p_mins[:1])]  # fmt: skip
+    for cell in grid:  # every cell's settings are checked before hours of measuring start
+        _cell_settings(base, *cell)
     session = Session(_cell_settings(base, *grid[0]), progress, stop)
     total, done, cells = len(grid) * len(flat), 0, []
-    for drafter, gamma, temperature in grid:
+    for drafter, gamma, temperature, p_min in grid:
         samples = []
+        stops = f", confidence stop {p_min:g}" if p_min else ""
         for i, (category, prompt) in enumerate(flat):
-            progress(done, total, f"{drafter}, gamma {gamma}, temperature {temperature}: {category} {i + 1}")
-            samples += session.ab(_cell_settings(base, drafter, gamma, temperature), prompt, i, repeats)
+            progress(done, total, f"{drafter}, gamma {gamma}, temperature {temperature}{stops}: {category} {i + 1}")
+            samples += session.ab(_cell_settings(base, drafter, gamma, temperature, p_min), prompt, i, repeats)
             done += 1
         categories = [c for c, _ in flat for _ in range(repeats)]
-        cells.append(Cell(drafter, gamma, temperature, samples, categories))
+        command = getattr(session.backend, "command_line", lambda: "")()
+        cells.append(Cell(drafter, gamma, temperature, samples, categories, p_min, command))
     progress(total, total, "done")
     from engine.predict import fit_all
 
-    settings = _settings(base, flat, repeats) | {"gammas": gammas, "temperatures": temperatures, "drafters": drafters}
+    settings = _settings(base, flat, repeats) | {"gammas": gammas, "temperatures": temperatures, "drafters": drafters,
+                                                 "p_mins": p_mins}  # fmt: skip
     return {
         "kind": "sweep",
         "settings": settings,

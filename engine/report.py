@@ -24,7 +24,7 @@ HUB_NAMES = {BUNDLED: "HuggingFaceTB/SmolLM2-135M-Instruct", "bundled": "Hugging
 # llama.cpp's 2026 flags: --draft-max/--draft-min were removed in favour of these.
 LLAMA_CPP_NGRAM = "--spec-type ngram-simple --spec-ngram-simple-size-n {n} --spec-draft-n-max {gamma}"
 LLAMA_CPP_DRAFT = (
-    "-md {draft} --spec-type draft-simple --spec-draft-n-max {gamma} --spec-draft-n-min 0 --spec-draft-p-min 0"
+    "-md {draft} --spec-type draft-simple --spec-draft-n-max {gamma} --spec-draft-n-min 0 --spec-draft-p-min {p_min:g}"
 )
 
 
@@ -37,6 +37,8 @@ def best_setting(report: dict) -> dict | None:
     ranked = sorted(cells, key=lambda c: c["speedup"]["median"], reverse=True)
     best = ranked[0]
     return {k: best[k] for k in ("drafter", "gamma", "temperature")} | {
+        "p_min": best.get("p_min", 0.0),
+        "server_command": best.get("server_command", ""),
         "speedup": best["speedup"]["median"],
         "samples": best["speedup"].get("n"),
         "notes": trust_notes(best, ranked[1] if len(ranked) > 1 else None),
@@ -75,6 +77,8 @@ def snippets(report: dict) -> dict[str, str]:
     gguf = f"{target.split('/')[-1]}.gguf"
     if s.get("backend") == "vllm":
         return {"vllm": vllm_serve(s, best)}
+    if s.get("backend") == "llama.cpp" and best["server_command"]:
+        return {"llama.cpp": best["server_command"]}
     if best["drafter"] == "prompt-lookup":
         return {
             "transformers": f"model.generate(**inputs, prompt_lookup_num_tokens={gamma}, "
@@ -87,10 +91,10 @@ def snippets(report: dict) -> dict[str, str]:
     return {
         "transformers": f'draft = AutoModelForCausalLM.from_pretrained("{draft}")\n'
         f"model.generate(**inputs, assistant_model=draft, num_assistant_tokens={gamma}, "
-        'num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)',
+        f'num_assistant_tokens_schedule="constant", assistant_confidence_threshold={best["p_min"]:g})',
         "vllm": f'LLM(model="{target}", speculative_config={{"model": "{draft}", "num_speculative_tokens": {gamma}}})',
         "llama.cpp": f"llama-server -m {gguf} "
-        + LLAMA_CPP_DRAFT.format(draft=f"{draft.split('/')[-1]}.gguf", gamma=gamma),
+        + LLAMA_CPP_DRAFT.format(draft=f"{draft.split('/')[-1]}.gguf", gamma=gamma, p_min=best["p_min"]),
     }
 
 
@@ -101,7 +105,7 @@ def vllm_serve(settings: dict, best: dict) -> str:
     from engine.vllm_backend import draft_location, speculative_config
 
     known = {k: v for k, v in settings.items() if k in Settings.names()}
-    cell = Settings(**known | {k: best[k] for k in ("drafter", "gamma", "temperature")})
+    cell = Settings(**known | {k: best[k] for k in ("drafter", "gamma", "temperature", "p_min")})
     config = speculative_config(cell, draft_location(cell))
     if "model" in config:
         config["model"] = hub_name(cell.draft)
@@ -133,7 +137,8 @@ def snippets_markdown(report: dict) -> str:
     best = best_setting(report)
     if best is None:
         return "No setting to take elsewhere: only synthetic cells (a measuring tool) were measured.\n"
-    lines = [f"# Best setting: {best['drafter']}, gamma {best['gamma']}, temperature {best['temperature']}: "
+    stop = f", confidence stop {best['p_min']:g}" if best["p_min"] else ""
+    lines = [f"# Best setting: {best['drafter']}, gamma {best['gamma']}, temperature {best['temperature']}{stop}: "
              f"{best['speedup']:.2f}x measured over {best['samples']} samples\n"]  # fmt: skip
     lines += [f"> Note: {note}." for note in best["notes"]]
     for fit in report.get("fits", []):

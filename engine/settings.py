@@ -17,9 +17,10 @@ from engine.sampling import SamplingConfig
 BUNDLED = "bundled:smollm2-135m-instruct"
 MAX_GAMMA = 16  # the longest draft: the UI's bound, adaptive gamma's ceiling, the predictor's range
 VLLM_ONLY = ("suffix", "eagle3", "mtp")  # methods vLLM ships and the in-process engine lacks
-DRAFTERS = ("draft-model", "prompt-lookup", "synthetic") + VLLM_ONLY
+LLAMA_ONLY = ("ngram-mod", "ngram-map-k")  # llama.cpp's own n-gram drafters
+DRAFTERS = ("draft-model", "prompt-lookup", "synthetic") + VLLM_ONLY + LLAMA_ONLY
 TAKES_DRAFT = ("draft-model", "synthetic", "eagle3")  # use a named draft model (synthetic: for its cost)
-BACKENDS = ("transformers", "vllm")
+BACKENDS = ("transformers", "vllm", "llama.cpp")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 LABELS = {  # field -> the words a person sees next to it (messages use these)
@@ -27,7 +28,7 @@ LABELS = {  # field -> the words a person sees next to it (messages use these)
     "max_new_tokens": "max new tokens", "temperature": "temperature", "top_p": "top-p", "top_k": "top-k",
     "seed": "seed", "chat": "chat template", "dtype": "dtype", "device": "device", "ngram": "n-gram size",
     "alpha": "synthetic alpha", "adaptive": "adaptive gamma", "compile": "compile", "warmup": "warm-up",
-    "backend": "backend",
+    "backend": "backend", "p_min": "draft confidence stop", "draft_min": "shortest draft",
 }  # fmt: skip
 
 
@@ -55,7 +56,9 @@ class Settings:
     adaptive: bool = False  # the drafter sizes each draft, up to MAX_GAMMA (engine.drafters)
     compile: bool = False  # CUDA only: torch.compile with CUDA graphs over a static KV cache
     warmup: bool = True
-    backend: str = "transformers"  # where the comparison runs: this process, or vLLM servers (engine.backends)
+    backend: str = "transformers"  # where the comparison runs: this process, vLLM or llama.cpp servers
+    p_min: float = 0.0  # draft model: stop drafting when its top probability falls below this (0 = never)
+    draft_min: int = 0  # a draft shorter than this is not verified (0 = any length)
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -110,6 +113,13 @@ class Settings:
             bad("backend", f"{self.backend!r} is unknown: use {', '.join(BACKENDS)}.")
         if self.drafter in VLLM_ONLY and self.backend != "vllm":
             bad("drafter", f"{self.drafter!r} runs on the vLLM backend only: choose backend vllm, or another drafter.")
+        if self.drafter in LLAMA_ONLY and self.backend != "llama.cpp":
+            bad("drafter", f"{self.drafter!r} runs on the llama.cpp backend only: choose backend llama.cpp, or "
+                "another drafter.")
+        if not 0 <= self.p_min < 1:
+            bad("p_min", f"{self.p_min} is out of range: use 0 (off) up to, not including, 1.")
+        if not 0 <= self.draft_min <= self.gamma:
+            bad("draft_min", f"{self.draft_min} is out of range: use 0 (any) up to gamma ({self.gamma}).")
         self.sampling.validate()
         return self
 

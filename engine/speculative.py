@@ -61,7 +61,7 @@ def speculative_decode(
         t0 = clock.now()
 
         # 1. draft: never more than fits, since the target adds one token of its own
-        draft = drafter.propose(ids, room - 1, cfg, generator)
+        draft = drafter.draft(ids, room - 1, cfg, generator)
         t1 = clock.now()
 
         # 2. verify: the last emitted token plus the draft, one target pass
@@ -90,5 +90,5 @@ def speculative_decode(
             drafted=draft.tokens, p=verdict.p, q=verdict.q, accepted=n, rejected_pieces=rejected,
             token=verdict.token if len(tokens) > n else None, token_p=verdict.token_p,
             draft_s=t1 - t0, verify_s=t2 - t1, other_s=t3 - t2, elapsed_s=elapsed,
-            draft_passes=draft.passes, finished=finished,
+            draft_passes=draft.passes, draft_note=draft.note, finished=finished,
         )  # fmt: skip

