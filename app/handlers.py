@@ -132,8 +132,9 @@ class Live:
         base, spec = self.run("baseline"), self.run("speculative")
         done = self.comparison
         hint = render.verdict_badge(done.identical, done.stopped) if done else ""
-        if done and done.environment.get("backend") == "vllm":
-            hint += render.UNREPORTED
+        engine = {"vllm": "vLLM", "llama.cpp": "llama.cpp"}.get(done.environment.get("backend")) if done else None
+        if engine:
+            hint += render.unreported(engine)
         base_pane = render.pane(
             "Baseline (target alone)",
             render.baseline_tokens(self.steps["baseline"]),
@@ -262,11 +263,13 @@ def apply_preset(name: str):
 
 def check_pair(**form):
     """The pair doctor's report as Markdown, before any weights load."""
-    from engine.doctor import diagnose, markdown
+    from engine.doctor import diagnose, diagnose_gguf, markdown
 
     try:
         s = settings_from(**form)
         draft = s.draft if s.uses_draft else None
+        if s.backend == "llama.cpp":
+            return markdown(diagnose_gguf(s.target, draft))
         return markdown(diagnose(s.target, draft, s.dtype, tokens=s.max_new_tokens + 1024))
     except UserError as exc:
         return f"❌ {exc}"

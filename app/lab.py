@@ -35,8 +35,8 @@ categories to run the task suite. With the draft model in the sweep, synthetic �
 so they show what this draft would reach at that α. The camera icon on a chart saves it as PNG; the
 report's charts.html holds both charts and opens offline."""
 
-CELL_COLUMNS = ["drafter", "γ", "temperature", "speedup ×", "min", "max", "samples", "acceptance", "base tok/s",
-                "spec tok/s", "identical"]  # fmt: skip
+CELL_COLUMNS = ["drafter", "γ", "temperature", "confidence stop", "speedup ×", "min", "max", "samples", "acceptance",
+                "base tok/s", "spec tok/s", "identical"]  # fmt: skip
 LOAD_COLUMNS = ["at a time", "speedup ×", "base tok/s", "spec tok/s", "base p50 s", "base p99 s", "spec p50 s",
                 "spec p99 s"]  # fmt: skip
 CATEGORY_COLUMNS = ["category", "speedup ×", "min", "max", "samples", "acceptance", "expected"]
@@ -50,10 +50,13 @@ def build_layout() -> SimpleNamespace:
         ui.gammas = gr.CheckboxGroup(GAMMAS, value=[1, 2, 4, 8], label="γ values")
         ui.temperatures = gr.Textbox("0", label="temperatures", info="comma-separated, e.g. 0, 0.7")
         ui.drafters = gr.CheckboxGroup(
-            [("draft model", "draft-model"), ("prompt lookup", "prompt-lookup"), ("synthetic α", "synthetic")],
+            [("draft model", "draft-model"), ("prompt lookup", "prompt-lookup"), ("synthetic α", "synthetic"),
+             ("n-gram mod (llama.cpp)", "ngram-mod"), ("n-gram map-k (llama.cpp)", "ngram-map-k")],
             value=["prompt-lookup"],
             label="drafters",
-        )
+        )  # fmt: skip
+        ui.p_mins = gr.Textbox("0", label="confidence stops (draft model)", info="comma-separated, e.g. 0, 0.5: "
+                               "stop drafting below this top probability")  # fmt: skip
     with gr.Row():
         ui.categories = gr.Dropdown(presets.categories(), value=["rewriting", "creative_writing"], multiselect=True,
                                     label="task categories")  # fmt: skip
@@ -90,8 +93,8 @@ def _identical(cell: dict):
 
 def cell_rows(data: dict) -> list[list]:
     return [
-        [c["drafter"], c["gamma"], c["temperature"], _r(c["speedup"]["median"]), _r(c["speedup"]["min"]),
-         _r(c["speedup"]["max"]), c["speedup"]["n"], _r(c["acceptance_rate"]["median"]),
+        [c["drafter"], c["gamma"], c["temperature"], c.get("p_min", 0.0), _r(c["speedup"]["median"]),
+         _r(c["speedup"]["min"]), _r(c["speedup"]["max"]), c["speedup"]["n"], _r(c["acceptance_rate"]["median"]),
          _r(c["baseline_tps"]["median"], 1), _r(c["speculative_tps"]["median"], 1), _identical(c)]
         for c in data["cells"]
     ]  # fmt: skip
@@ -127,7 +130,8 @@ def category_rows(data: dict) -> list[list]:
 def curve_figure(data: dict) -> go.Figure:
     fig = go.Figure()
     for i, fit in enumerate(data["fits"]):
-        color, name = COLORS[i % len(COLORS)], f"{fit['drafter']} T={fit['temperature']}"
+        stop = f" p≥{fit['p_min']:g}" if fit.get("p_min") else ""
+        color, name = COLORS[i % len(COLORS)], f"{fit['drafter']} T={fit['temperature']}{stop}"
         curve = fit["curve"]
         gammas = [p["gamma"] for p in curve]
         predicted = dict(color=color)
@@ -187,13 +191,18 @@ def snippets_markdown(data: dict) -> str:
 
 def run_sweep(
     gammas, temperatures, drafters, categories, per_category, repeats, sweep_max_new_tokens, concurrency,
-    request: gr.Request, progress=gr.Progress(), **form,
+    p_mins="0", request: gr.Request = None, progress=gr.Progress(), **form,
 ):  # fmt: skip
     """Sweep the grid over the chosen task categories, on the Playground's pair and sampling settings (`form`;
     its drafter, γ, temperature and max new tokens give way to the sweep's own).
     Returns what it used, verdict, tables, charts, snippets, files."""
     try:
         temps = [float(t) for t in str(temperatures or "").replace(" ", "").split(",") if t]
+        try:
+            stops = [float(p) for p in str(p_mins or "0").replace(" ", "").split(",") if p] or [0.0]
+        except ValueError:
+            raise UserError(f"confidence stops {p_mins!r}: write numbers from 0 to 1 separated by commas, e.g. "
+                            "0, 0.5.") from None  # fmt: skip
         if not gammas or not drafters or not categories or not temps:
             raise UserError("choose at least one γ, one temperature, one drafter and one task category.")
         first = "draft-model" if "draft-model" in drafters else drafters[0]
@@ -216,10 +225,10 @@ def run_sweep(
     try:
         report_progress = lambda done, total, what: progress((done, total), desc=what)  # noqa: E731
         data = sweep(base, prompts, sorted(int(g) for g in gammas), temps, list(drafters), int(repeats),
-                     report_progress, stop)  # fmt: skip
+                     report_progress, stop, p_mins=stops)  # fmt: skip
         best = report.best_setting(data)
         if levels and best:
-            under_load = replace(base, **{k: best[k] for k in ("drafter", "gamma", "temperature")})
+            under_load = replace(base, **{k: best[k] for k in ("drafter", "gamma", "temperature", "p_min")})
             flat = [p for ps in prompts.values() for p in ps]
             data["load"] = load_curve(under_load, flat, levels, int(repeats), report_progress)
     except Stopped:
@@ -235,7 +244,9 @@ def run_sweep(
     paths = list(report.write(data, folder).values())
     curve, categories = curve_figure(data), category_figure(data)
     paths.append(write_charts(folder, curve, categories))
-    verdicts = "\n".join(f"- **{f['drafter']}, temperature {f['temperature']}**: {f['verdict']}" for f in data["fits"])
+    verdicts = "\n".join(f"- **{f['drafter']}, temperature {f['temperature']}"
+                         + (f", confidence stop {f['p_min']:g}" if f.get("p_min") else "")
+                         + f"**: {f['verdict']}" for f in data["fits"])  # fmt: skip
     verdicts += "".join(f"\n\n⚠ Best setting: {note}." for note in (best["notes"] if best else []))
     uses = uses_markdown(base, sum(len(p) for p in prompts.values()), int(repeats))
     load = data.get("load")
@@ -291,7 +302,7 @@ def stop(request: gr.Request) -> None:
 
 def wire(ui: SimpleNamespace, play: SimpleNamespace) -> None:
     inputs = [ui.gammas, ui.temperatures, ui.drafters, ui.categories, ui.per_category, ui.repeats, ui.max_new_tokens,
-              ui.concurrency]  # fmt: skip
+              ui.concurrency, ui.p_mins]  # fmt: skip
     outputs = [ui.uses, ui.verdict, ui.cells, ui.curve, ui.category_chart, ui.category_table, ui.load_chart,
                ui.load_table, ui.snippets, ui.files]  # fmt: skip
     ui.run.click(on_gpu(run_sweep), inputs=inputs, inputs_kwargs=play.form, outputs=outputs, preprocess=False,

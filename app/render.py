@@ -76,7 +76,8 @@ def speculative_tokens(steps: list[StepEvent]) -> str:
                 continue
             kind = {"correction": "cor", "bonus": "bon"}.get(s.kind, "tgt")
             what = {"cor": "target's correction", "bon": "bonus token (all drafts accepted)"}.get(kind, "target token")
-            out.append(_span(kind, piece, f"step {s.step}: {what}, {_prob('p', s.token_p)}"))
+            note = f" · {s.draft_note}" if s.draft_note else ""
+            out.append(_span(kind, piece, f"step {s.step}: {what}, {_prob('p', s.token_p)}{note}"))
     return "".join(out)
 
 
@@ -110,10 +111,13 @@ def _card(label: str, value: str, hint: str = "") -> str:
     )
 
 
-UNREPORTED = (
-    '<span class="sa-badge sa-info" title="vLLM reports how many draft tokens each step proposed and kept, not '
-    'which ones it rejected or their probabilities.">vLLM: rejected drafts counted, not shown</span>'
-)
+def unreported(engine: str) -> str:
+    """The badge of a server backend: it reports how much each step drafted and kept, not the rest."""
+    return (
+        f'<span class="sa-badge sa-info" title="{escape(engine)} reports how many draft tokens each step proposed '
+        f'and kept, not which ones it rejected or their probabilities.">{escape(engine)}: rejected drafts '
+        "counted, not shown</span>"
+    )
 
 
 def verdict_badge(identical: bool | None, stopped: bool = False) -> str:

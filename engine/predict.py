@@ -108,7 +108,11 @@ def verdict(alpha, c, verify, best_gamma, measured, best_predicted, c_known: boo
             f"(alpha {alpha:.2f}, {cost}; the model predicts {best_predicted['predicted']:.2f}x at "
             f"gamma {best_predicted['gamma']})."
         )
-    if alpha <= c:
+    if not c_known:  # a server backend: drafting is timed inside each step
+        g = max(verify, key=verify.get) if verify else 1
+        why = (f"a step that drafts {g} and verifies costs {verify.get(g, 1.0):.2f} one-token steps, more than the "
+               f"{leviathan_speedup(alpha, g, 0.0):.2f} tokens it brings at alpha = {alpha:.2f}")  # fmt: skip
+    elif alpha <= c:
         why = f"c = {c:.2f} is not below alpha = {alpha:.2f}: drafting a token costs more than it is worth"
     else:
         v = max(verify.values()) if verify else 1.0

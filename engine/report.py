@@ -142,7 +142,8 @@ def snippets_markdown(report: dict) -> str:
              f"{best['speedup']:.2f}x measured over {best['samples']} samples\n"]  # fmt: skip
     lines += [f"> Note: {note}." for note in best["notes"]]
     for fit in report.get("fits", []):
-        lines.append(f"- {fit['drafter']} at temperature {fit['temperature']}: {fit['verdict']}")
+        stop = f", confidence stop {fit['p_min']:g}" if fit.get("p_min") else ""
+        lines.append(f"- {fit['drafter']} at temperature {fit['temperature']}{stop}: {fit['verdict']}")
     for name, code in snippets(report).items():
         lines += ["", f"## {name}", "", "```", code, "```"]
     return "\n".join(lines) + "\n"

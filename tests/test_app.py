@@ -210,18 +210,22 @@ def test_lab_sweep_handler_fills_tables_charts_and_report(model_dirs):
     from app import lab
 
     out = lab.run_sweep(
-        [1, 2], "0, 0.5", ["draft-model", "prompt-lookup"], ["rewriting", "creative_writing"], 1, 1, 8, "",
+        [1, 2], "0, 0.5", ["draft-model", "prompt-lookup"], ["rewriting", "creative_writing"], 1, 1, 8, "", "0, 0.06",
         request=SimpleNamespace(session_hash="lab"), progress=lambda *a, **k: None, **lab_form(model_dirs),
     )  # fmt: skip
     uses, verdicts, cells, curve, categories_chart, categories, load_chart, load_rows, snippets, files = out
     assert model_dirs["target"] in uses and "dtype auto" in uses and "seed 0" in uses
     assert "2 prompt(s) × 1 A/B pair(s) = 2 samples" in uses
-    assert verdicts.count("- **") == 4  # a fit per drafter and temperature
-    assert len(cells) == 2 * 2 * 2 and {row[6] for row in cells} == {2}  # samples per cell
+    assert verdicts.count("- **") == 6  # a fit per drafter, temperature and (draft model) confidence stop
+    assert verdicts.count("confidence stop 0.06") == 2
+    # confidence stops are an axis of the draft model only
+    assert sorted((row[0], row[3]) for row in cells if row[1] == 1 and row[2] == 0) == [
+        ("draft-model", 0.0), ("draft-model", 0.06), ("prompt-lookup", 0.0)]
+    assert len(cells) == 2 * 2 * 3 and {row[7] for row in cells} == {2}  # samples per cell
     assert {row[-1] for row in cells if row[2] == 0.5} == {"-"}  # sampled cells are not compared
     assert {row[-1] for row in cells if row[2] == 0} == {True}
     assert {row[0] for row in categories} == {"rewriting", "creative_writing"}
-    assert len(curve.data) == 3 * 4 and len(categories_chart.data) == 2
+    assert len(curve.data) == 3 * 6 and len(categories_chart.data) == 2
     assert categories_chart.data[1].yaxis == "y2"  # acceptance on its own axis
     assert "## transformers" in snippets
     assert load_chart is None and load_rows == []  # no load curve asked for
@@ -240,6 +244,10 @@ def test_lab_sweep_reports_bad_settings(model_dirs):
         lab.run_sweep([], "0", ["prompt-lookup"], ["code"], 1, 1, 8, "", **common, **lab_form(model_dirs))
     with pytest.raises(gr.Error, match=r"needs a serving backend.*\(field: backend\)"):
         lab.run_sweep([1], "0", ["prompt-lookup"], ["code"], 1, 1, 8, "1,2", **common, **lab_form(model_dirs))
+    with pytest.raises(gr.Error, match="confidence stops"):
+        lab.run_sweep([1], "0", ["prompt-lookup"], ["code"], 1, 1, 8, "", "high", **common, **lab_form(model_dirs))
+    with pytest.raises(gr.Error, match=r"draft confidence stop 1.5 is out of range"):
+        lab.run_sweep([1], "0", ["draft-model"], ["code"], 1, 1, 8, "", "1.5", **common, **lab_form(model_dirs))
     with pytest.raises(gr.Error, match=r"top-p .* \(field: top_p\)"):
         lab.run_sweep([1], "0", ["prompt-lookup"], ["code"], 1, 1, 8, "", **common, **lab_form(model_dirs, top_p=3))
 
