@@ -264,6 +264,7 @@ class LlamaCpp:
         self.serving: tuple | None = None
         self.config: dict = {}
         self.end_tokens: set[int] = set()  # ids that ended a run (EOS, end of turn): not text
+        self.timings: dict[str, dict] = {}  # each server's own record of its last run (its final chunk's timings)
 
     def open(self, s: Settings) -> Iterator[Status]:
         urls = remote()
@@ -338,7 +339,7 @@ class LlamaCpp:
         return {"backend": self.name, "llama_cpp": self.build, "model": self.model, "urls": self.urls,
                 "device": "llama-server", "device_name": f"llama.cpp {self.build} on {cpu_name()}",
                 "dtype": "as the GGUF stores it", "threads": threads(), "commands": self.commands,
-                **self.config}  # fmt: skip
+                "server_timings": dict(self.timings), **self.config}  # fmt: skip
 
     def command_line(self, role: str = "speculative") -> str:
         """The measured server's command line, as a shell would take it."""
@@ -430,6 +431,7 @@ class LlamaCpp:
                         done, step = step, None
                         yield done
                 if chunk.get("stop"):
+                    self.timings[role] = chunk.get("timings") or {}
                     last = step or done
                     if last is not None:
                         last.finished = {"eos": "eos", "word": "eos"}.get(chunk.get("stop_type"), "length")

@@ -1,0 +1,230 @@
+"""The llama.cpp backend against a real llama-server (built from llama.cpp's sources by tests/run.sh and cached
+outside the checkout), serving the bundled GGUF as it ships: baseline and speculative servers started and
+stopped by SpecArena."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+
+from engine import llamacpp
+from engine.compare import compare, open_backend
+from engine.errors import UserError
+from engine.servers import POOL, Server, free_port
+from engine.settings import Settings
+
+pytestmark = pytest.mark.llamacpp
+
+REWRITE = "Fix the spelling and repeat the text: The quick brown fox jumpd over the lazzy dog. It was a sunny day."
+
+
+@pytest.fixture(scope="module")
+def server_binary():
+    path = llamacpp.binary()
+    if path is None or not path.is_file():
+        pytest.fail("no llama-server: run tests/run.sh, which builds one (python -m engine build-llama-server)")
+    yield path
+    POOL.stop_all()
+
+
+def settings(**over) -> Settings:
+    return Settings(**({"backend": "llama.cpp", "drafter": "prompt-lookup", "gamma": 4, "max_new_tokens": 40,
+                        "seed": 0} | over))  # fmt: skip
+
+
+def llama_processes() -> list[str]:
+    out = subprocess.run(["pgrep", "-af", "llama-server"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "pgrep" not in line and "guard.py" not in line]
+
+
+@pytest.mark.parametrize("drafter", ["prompt-lookup", "ngram-map-k", "ngram-mod", "draft-model"])
+def test_greedy_speculation_on_llama_cpp_is_lossless_and_its_counts_add_up(server_binary, drafter):
+    draft = "bundled" if drafter == "draft-model" else ""  # the same model drafting: every token holds
+    s = settings(drafter=drafter, draft=draft, max_new_tokens=48)
+    c = compare(s, REWRITE)
+    env = c.environment
+    assert env["backend"] == "llama.cpp" and env["llama_cpp"] == f"b{llamacpp.BUILD}"
+    assert llamacpp.SPEC_TYPES[drafter] in env["spec_flags"]
+    assert c.identical is True and c.baseline.text == c.speculative.text and c.speculative.metrics.new_tokens > 8
+    assert "<|im_end|>" not in c.speculative.text  # the end-of-turn token is an id, not text
+    spec, decode = c.speculative, c.speculative.steps[1:]
+    # each step: the drafts the target kept, then its own token; the totals are the server's own
+    assert sum(len(x.tokens) for x in spec.steps) == spec.metrics.new_tokens
+    assert all(len(x.tokens) == x.accepted + 1 for x in decode[:-1])
+    assert len(decode[-1].tokens) <= decode[-1].accepted + 1
+    timings = env["server_timings"]["speculative"]
+    assert spec.metrics.drafted_tokens == sum(len(x.drafted) for x in decode) == timings.get("draft_n", 0)
+    assert spec.metrics.accepted_tokens == sum(x.accepted for x in decode) == timings.get("draft_n_accepted", 0)
+    if drafter == "draft-model":
+        assert all(x.kind == "bonus" for x in decode[:-1])  # drafts past the end of the answer may miss
+    if drafter in ("prompt-lookup", "draft-model"):
+        assert spec.metrics.target_passes < c.baseline.metrics.target_passes
+    assert len(POOL.running()) == 2
+
+
+def test_sampled_runs_and_a_confidence_stop_run_on_llama_cpp(server_binary):
+    c = compare(settings(drafter="draft-model", draft="bundled", temperature=0.8, p_min=0.5, draft_min=1), REWRITE)
+    assert c.identical is None and c.speculative.metrics.new_tokens > 0
+    assert c.environment["spec_flags"][-8:-4] == ["--spec-draft-p-min", "0.5", "--spec-draft-sampling",
+                                                    "probabilistic"]  # fmt: skip
+
+
+def test_the_app_runs_a_comparison_on_llama_cpp_and_says_what_it_does_not_report(server_binary):
+    from app import handlers
+
+    values = dict(prompt=REWRITE, backend="llama.cpp", target="bundled:smollm2-135m-instruct", drafter="ngram-map-k",
+                  draft="", temperature=0, top_p=1, top_k=0, max_new_tokens=32, gamma=4, seed=0, chat=True,
+                  dtype="auto", ngram=3, alpha=0.8, adaptive=False, p_min=0, draft_min=0, history=[])  # fmt: skip
+    out = list(handlers.compare(**values, request=SimpleNamespace(session_hash="llama")))[-1]
+    result, spec_pane = out[0], out[3]
+    assert result["identical"] is True and result["environment"]["backend"] == "llama.cpp"
+    assert "llama.cpp: rejected drafts counted, not shown" in spec_pane
+    assert handlers.check_pair(**{k: v for k, v in values.items() if k not in ("prompt", "history")} |
+                               {"drafter": "draft-model", "draft": "bundled"}).count("✅") >= 3  # fmt: skip
+
+
+def test_the_lab_export_is_the_measured_command_and_it_starts_as_written(server_binary, tmp_path, capsys):
+    from engine.__main__ import main
+
+    args = ["bench", "--backend", "llama.cpp", "--prompt", REWRITE, "--drafters", "prompt-lookup,ngram-map-k",
+            "--gamma", "2,4", "--repeats", "1", "--seed", "0", "--max-new-tokens", "24", "--report", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f"llama.cpp b{llamacpp.BUILD}" in out and "ngram-map-k" in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    best = max((c for c in report["cells"]), key=lambda c: c["speedup"]["median"])
+    command = report["snippets"]["llama.cpp"]
+    assert command == best["server_command"] and command in (tmp_path / "settings.md").read_text()
+    words = shlex.split(command)
+    assert f"--spec-ngram-{'simple' if best['drafter'] == 'prompt-lookup' else 'map-k'}-size-m" in words
+    assert words[words.index("--spec-ngram-simple-size-m" if best["drafter"] == "prompt-lookup" else
+                             "--spec-ngram-map-k-size-m") + 1] == str(best["gamma"])  # fmt: skip
+    POOL.stop_all()  # the measured port is free again: start the exported command exactly as written
+    port = words[words.index("--port") + 1]
+    process = subprocess.Popen(words, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                props = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/props", timeout=2).read())
+                break
+            except OSError:
+                assert process.poll() is None, "the exported command exited"
+                time.sleep(0.3)
+        else:
+            pytest.fail("the exported command did not start a server")
+        assert props["model_path"].endswith(".gguf")
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(20)
+
+
+def test_remote_servers_are_read_and_must_serve_the_same_model(server_binary, monkeypatch, tmp_path):
+    running = open_backend(settings())
+    monkeypatch.setenv("SPECARENA_LLAMA_BASELINE_URL", running.urls["baseline"])
+    monkeypatch.setenv("SPECARENA_LLAMA_SPECULATIVE_URL", running.urls["speculative"])
+    c = compare(settings(max_new_tokens=16), REWRITE)
+    assert c.identical is True and c.environment["remote"] is True
+    monkeypatch.setenv("SPECARENA_LLAMA_SPECULATIVE_URL", "http://127.0.0.1:9")
+    with pytest.raises(UserError, match="did not answer as llama-server does"):
+        open_backend(settings())
+    other = tmp_path / "other.gguf"
+    shutil.copy(llamacpp.gguf_path("bundled"), other)
+    port = free_port()
+    second = Server("other", llamacpp.server_command(server_binary, other, [], port), port, "/health").start(60)
+    try:
+        monkeypatch.setenv("SPECARENA_LLAMA_SPECULATIVE_URL", second.url)
+        with pytest.raises(UserError, match="serve different models"):
+            open_backend(settings())
+    finally:
+        second.stop()
+
+
+def test_a_server_that_dies_mid_run_is_reported(server_binary):
+    from engine.compare import stream_compare
+    from engine.events import Step
+
+    events = stream_compare(settings(max_new_tokens=1500, drafter="draft-model", draft="bundled"),
+                            "Write a long story about the sea, with many chapters.")  # fmt: skip
+    with pytest.raises(UserError, match="llama-server speculative server died during the run. The end of its log"):
+        for event in events:
+            if isinstance(event, Step) and event.mode == "speculative" and event.event.step == 2:
+                server = next(x for x in POOL.running() if x.name == "llama-server speculative")
+                os.killpg(server.process.pid, signal.SIGKILL)
+
+
+def test_bad_setups_get_clear_messages_and_leave_nothing_running(server_binary, monkeypatch, tmp_path):
+    with pytest.raises(UserError, match="adaptive") as err:
+        open_backend(settings(adaptive=True))
+    assert err.value.field == "adaptive"
+    with pytest.raises(UserError, match="runs on the llama.cpp backend only"):
+        open_backend(Settings(drafter="ngram-mod"))
+    with pytest.raises(UserError, match="llama.cpp has no drafter 'synthetic'"):
+        open_backend(settings(drafter="synthetic"))
+    with pytest.raises(UserError, match="name 'org/name' as org/repo/file.gguf"):
+        open_backend(settings(target="org/name"))
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(UserError, match="(?s)exited with code .* while starting.*The end of its log"):
+        open_backend(settings(target=str(broken)))
+    # a binary too old for today's flags
+    old = tmp_path / "llama-server"
+    old.write_text("#!/bin/sh\necho '--draft-max N  number of tokens to draft'\necho 'version: 4000 (abc)' >&2\n")
+    old.chmod(0o755)
+    monkeypatch.setenv("SPECARENA_LLAMA_SERVER", str(old))
+    with pytest.raises(UserError, match="too old for SpecArena: it has no --spec-type flag") as err:
+        open_backend(settings())
+    assert err.value.field == "backend"
+    monkeypatch.setenv("SPECARENA_LLAMA_SERVER", str(tmp_path / "missing"))
+    with pytest.raises(UserError, match="llama-server not found at .*build-llama-server"):
+        open_backend(settings())
+    monkeypatch.delenv("SPECARENA_LLAMA_SERVER")
+    # a port taken between choosing it and the server binding it
+    taken = free_port()
+    holder = __import__("socket").socket()
+    holder.bind(("127.0.0.1", taken))
+    holder.listen()
+    monkeypatch.setattr(llamacpp, "free_port", lambda: taken)
+    try:
+        with pytest.raises(UserError, match="(?s)exited with code .* while starting.*(bind|address)"):
+            open_backend(settings(gamma=3))
+    finally:
+        holder.close()
+    POOL.stop_all()
+    assert llama_processes() == []
+
+
+def test_a_crashed_app_leaves_no_llama_server_behind(server_binary):
+    """kill -9 of an app holding both servers: the guardian stops them."""
+    app = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {os.getcwd()!r})
+        from engine.compare import open_backend
+        from engine.settings import Settings
+        backend = open_backend(Settings(backend="llama.cpp", gamma=5))
+        print(" ".join(backend.urls.values()), flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", app], stdout=subprocess.PIPE, text=True)
+    try:
+        urls = proc.stdout.readline().split()
+        assert len(urls) == 2 and all(urllib.request.urlopen(u + "/health", timeout=5).status == 200 for u in urls)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 30
+        while llama_processes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert llama_processes() == []
+    finally:
+        proc.kill()
