@@ -27,6 +27,7 @@ from engine.events import Done, Event, RunDone, RunStarts, Status, Step
 from engine.metrics import RunResult, summarise
 from engine.models import MODELS
 from engine.settings import TAKES_DRAFT, Settings, check_prompt
+from engine.suffix import memory_for
 
 log = logging.getLogger("specarena")
 # Each refresh costs the server (rendering, diffing, streaming) and the browser CPU that, on a CPU machine,
@@ -216,7 +217,7 @@ def compare(prompt, history, request: gr.Request, **form):
     live, last_text, last_chart = Live(number=len(history) + 1), 0.0, 0.0
     yield (gr.skip(), live.status_line() + " · starting", *skip, "")
     try:
-        for event in stream_compare(s, prompt, stop):
+        for event in stream_compare(s, prompt, stop, memory=memory_for(session)):
             live.add(event)
             now = time.monotonic()
             streaming = isinstance(event, Step)
@@ -244,6 +245,14 @@ def compare(prompt, history, request: gr.Request, **form):
 def stop(request: gr.Request) -> str:
     stopped = STOPS.stop(session_of(request))
     return "stopping after the current step…" if stopped else "nothing is running"
+
+
+def forget(request: gr.Request) -> str:
+    """Empty this session's suffix memory: the suffix drafter starts again from the current prompt alone."""
+    memory = memory_for(session_of(request))
+    tokens = len(memory)
+    memory.clear()
+    return f"suffix memory cleared: {tokens} tokens of earlier runs forgotten"
 
 
 def clear():

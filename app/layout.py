@@ -19,7 +19,8 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 CSS = (ASSETS / "style.css").read_text()
 THEME = gr.themes.Soft(primary_hue="violet", secondary_hue="emerald")
 DRAFTERS = [("draft model", "draft-model"), ("prompt lookup (no model)", "prompt-lookup"),
-            ("synthetic α (measurement tool)", "synthetic"), ("suffix (vLLM)", "suffix"), ("EAGLE-3 (vLLM)", "eagle3"),
+            ("suffix (this session's outputs)", "suffix"), ("synthetic α (measurement tool)", "synthetic"),
+            ("EAGLE-3 (vLLM)", "eagle3"),
             ("MTP (vLLM)", "mtp"), ("n-gram mod (llama.cpp)", "ngram-mod"),
             ("n-gram map-k (llama.cpp)", "ngram-map-k")]  # fmt: skip
 BACKENDS = [("transformers (this process)", "transformers"), ("vLLM (its servers)", "vllm"),
@@ -71,7 +72,9 @@ def build_layout() -> SimpleNamespace:
                 default["draft"], label="draft model",
                 info="same vocabulary as the target; with synthetic α, its passes run for their cost",
             ))  # fmt: skip
-            ui.check = gr.Button("Check pair", size="sm", elem_id="check-pair")
+            with gr.Row():
+                ui.check = gr.Button("Check pair", size="sm", elem_id="check-pair")
+                ui.forget = gr.Button("Clear suffix memory", size="sm", elem_id="forget")
             ui.doctor = gr.Markdown(elem_id="doctor")
             with gr.Accordion("parameters", open=False, elem_id="parameters"):
                 widget("temperature", gr.Slider(0, 2, value=0, step=0.05, label="temperature", info="0 = greedy"))
@@ -155,6 +158,7 @@ def wire(ui: SimpleNamespace) -> None:
     ui.run.click(compare, api_name="compare", **run_args)
     ui.prompt.submit(compare, api_visibility="private", **run_args)
     ui.stop.click(handlers.stop, outputs=[ui.status], queue=False, api_visibility="private")
+    ui.forget.click(handlers.forget, outputs=[ui.status], queue=False, api_visibility="private")
     ui.clear.click(
         handlers.clear,
         outputs=[ui.result, ui.status, ui.baseline, ui.speculative, ui.summary, ui.chart, ui.form_error],

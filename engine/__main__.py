@@ -23,7 +23,7 @@ def add_pair_args(p: argparse.ArgumentParser) -> None:
         help="draft model (same vocabulary as the target); implies --drafter draft-model. With --drafter synthetic, "
         "its passes run for their cost and its tokens are not used",
     )
-    p.add_argument("--drafter", choices=DRAFTERS, help="default: prompt-lookup; suffix, eagle3, mtp: --backend vllm; "
+    p.add_argument("--drafter", choices=DRAFTERS, help="default: prompt-lookup; eagle3, mtp: --backend vllm; "
                    "ngram-mod, ngram-map-k: --backend llama.cpp")
     p.add_argument("--backend", choices=BACKENDS, default="transformers",
                    help="transformers: this process (default); vllm: vLLM servers (SPECARENA_VLLM_PYTHON or URLs); "
@@ -215,7 +215,13 @@ def cmd_bench(args) -> int:
             runs = {}
             for name in args.backends.split(","):
                 on = replace(base, backend=name.strip())
-                runs[on.backend] = bench.sweep(on, prompts, gammas, temperatures, drafters, args.repeats, _progress,
+                runs_here = [d for d in drafters if _runs_on(on, d)]
+                skipped = sorted(set(drafters) - set(runs_here))
+                if skipped:
+                    print(f"== backend {on.backend}: {', '.join(skipped)} not run (not a drafter of this engine)")
+                if not runs_here:
+                    continue
+                runs[on.backend] = bench.sweep(on, prompts, gammas, temperatures, runs_here, args.repeats, _progress,
                                                p_mins=p_mins)  # fmt: skip
                 print(f"== backend {on.backend}\n{sweep_table(runs[on.backend])}")
             data = {"kind": "backends", "runs": runs}
@@ -231,6 +237,17 @@ def cmd_bench(args) -> int:
         for path in report.write(data, args.report).values():
             print(f"wrote {path}")
     return 0
+
+
+def _runs_on(s, drafter: str) -> bool:
+    """Whether `drafter` exists on the settings' backend (llama.cpp's n-gram types, vLLM's suffix, ...)."""
+    from engine.settings import LLAMA_ONLY, VLLM_ONLY
+
+    if drafter in VLLM_ONLY:
+        return s.backend == "vllm"
+    if drafter in LLAMA_ONLY:
+        return s.backend == "llama.cpp"
+    return not (drafter in ("synthetic", "suffix") and s.backend == "llama.cpp")
 
 
 def _spread(s: dict, spec: str = ".2f", suffix: str = "") -> str:

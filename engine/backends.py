@@ -82,8 +82,11 @@ class Transformers:
     name = "transformers"
 
     def __init__(self):
+        from engine.suffix import memory_for
+
         self.pair: Pair | None = None
         self.loaded: list[str] = []  # models that open() had to load (not already in memory)
+        self.memory = memory_for("default")  # what the suffix drafter has seen: the caller's session's
 
     def open(self, s: Settings) -> Iterator[Status]:
         """Load target then draft (the model cache keeps recent ones), reporting each."""
@@ -178,6 +181,10 @@ class Transformers:
         if s.drafter == "prompt-lookup":
             costs = pair.target.verify_costs if s.adaptive else None
             return PromptLookup(max_ngram=s.ngram, costs=costs, gamma=s.gamma)
+        if s.drafter == "suffix":
+            from engine.suffix import SuffixDrafter
+
+            return SuffixDrafter(self.memory, s.gamma, pair.target.verify_costs if s.adaptive else None)
         pace = DraftModel(pair.draft.model, pair.target.vocab_size, room, MAX_GAMMA) if s.uses_draft else None
         seed = s.seed or 0
         return Synthetic(len(ids), reference, s.alpha, pair.target.vocab_size, seed, pace, s.gamma, s.adaptive)

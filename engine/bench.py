@@ -125,7 +125,11 @@ class Session:
     def __init__(self, base: Settings, progress: Progress = _quiet, stop: threading.Event | None = None):
         self.base = base.validate()
         self.progress, self.stop = progress, stop
+        from engine.suffix import SuffixMemory
+
+        self.memory = SuffixMemory()  # the suffix drafter's: a cell's earlier prompts (sweep clears it per cell)
         self.backend = open_backend(base)
+        self.backend.memory = self.memory
         self.environment = self.backend.environment
         self._references: dict[tuple, list[int]] = {}
         self._warm: set[tuple] = set()
@@ -135,6 +139,7 @@ class Session:
         later cell uses, or (on a server backend) another speculative configuration."""
         if not self.backend.serves(s):
             self.backend = open_backend(s)
+            self.backend.memory = self.memory
         return self
 
     def check_stop(self) -> None:
@@ -219,6 +224,7 @@ def sweep(
     total, done, cells = len(grid) * len(flat), 0, []
     for drafter, gamma, temperature, p_min in grid:
         samples = []
+        session.memory.clear()  # each cell's prompts start from the same (empty) session
         stops = f", confidence stop {p_min:g}" if p_min else ""
         for i, (category, prompt) in enumerate(flat):
             progress(done, total, f"{drafter}, gamma {gamma}, temperature {temperature}{stops}: {category} {i + 1}")

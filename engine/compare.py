@@ -105,11 +105,14 @@ def open_backend(s: Settings):
     return backend
 
 
-def stream_compare(s: Settings, prompt: str, stop: threading.Event | None = None) -> Iterator[Event]:
-    """Validate, open the pair, warm up, then run baseline and speculative one after the other."""
+def stream_compare(s: Settings, prompt: str, stop: threading.Event | None = None, memory=None) -> Iterator[Event]:
+    """Validate, open the pair, warm up, then run baseline and speculative one after the other. `memory`: the
+    caller's session's SuffixMemory, for the suffix drafter (engine.suffix)."""
     s.validate()
     check_prompt(prompt)
     backend = backend_for(s)
+    if memory is not None:
+        backend.memory = memory
     with guarded():
         yield from backend.open(s)
         ids = backend.encode(prompt, s)

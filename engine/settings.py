@@ -16,9 +16,9 @@ from engine.sampling import SamplingConfig
 
 BUNDLED = "bundled:smollm2-135m-instruct"
 MAX_GAMMA = 16  # the longest draft: the UI's bound, adaptive gamma's ceiling, the predictor's range
-VLLM_ONLY = ("suffix", "eagle3", "mtp")  # methods vLLM ships and the in-process engine lacks
+VLLM_ONLY = ("eagle3", "mtp")  # methods vLLM ships and the in-process engine lacks
 LLAMA_ONLY = ("ngram-mod", "ngram-map-k")  # llama.cpp's own n-gram drafters
-DRAFTERS = ("draft-model", "prompt-lookup", "synthetic") + VLLM_ONLY + LLAMA_ONLY
+DRAFTERS = ("draft-model", "prompt-lookup", "suffix", "synthetic") + VLLM_ONLY + LLAMA_ONLY
 TAKES_DRAFT = ("draft-model", "synthetic", "eagle3")  # use a named draft model (synthetic: for its cost)
 BACKENDS = ("transformers", "vllm", "llama.cpp")
 DTYPES = ("auto", "float32", "bfloat16", "float16")

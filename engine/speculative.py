@@ -54,6 +54,7 @@ def speculative_decode(
     step = 0
     while finished is None:
         if stop is not None and stop.is_set():
+            drafter.finish(ids)
             yield StepEvent(step + 1, "stopped", [], [], elapsed_s=elapsed, finished="stopped")
             return
         step += 1
@@ -85,6 +86,8 @@ def speculative_decode(
         elapsed += t3 - t0
         ids += tokens
         produced += len(tokens)
+        if finished is not None:
+            drafter.finish(ids)  # before the last event: a consumer may stop reading there
         yield StepEvent(
             step, "target" if k == 0 else "bonus" if n == k else "correction", tokens, pieces,
             drafted=draft.tokens, p=verdict.p, q=verdict.q, accepted=n, rejected_pieces=rejected,

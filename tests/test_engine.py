@@ -367,3 +367,53 @@ def test_confidence_stop_and_shortest_draft_stay_lossless_and_say_why(llama_pair
     assert summarise("s", steps, "").token_ids == expected
     assert all(len(s.drafted) in (0, 3, 4) for s in steps[1:])
     assert any("dropped" in s.draft_note for s in steps[1:])
+
+
+def _trie(node) -> dict:
+    return {t: (c.count, _trie(c)) for t, c in node.children.items()}
+
+
+def test_suffix_memory_counts_windows_forgets_the_same_prompt_and_drops_the_oldest():
+    from engine.suffix import DEPTH, SuffixMemory
+
+    memory = SuffixMemory(cap=1000)
+    first = memory.begin((1,), [1, 5, 6, 7, 8])
+    assert memory.continuation([9, 5, 6], 8)[0] == [7, 8]  # the longest known suffix, then what followed it
+    assert memory.continuation([2, 3], 8) == ([], [])
+    memory.extend(first, [5, 6, 9])
+    memory.begin((2,), [2, 5, 6, 9])  # "5 6" went on with 9 twice and with 7 once
+    tokens, chances = memory.continuation([4, 5, 6], 8)
+    assert tokens[0] == 9 and chances[0] == 2 / 4  # 2 of 3 seen, one more unseen
+    clean = SuffixMemory(cap=1000)
+    clean.begin((2,), [2, 5, 6, 9])
+    memory.begin((1,), [1, 3])  # a new run of prompt 1: its earlier text is forgotten, prompt 2's is kept
+    clean.begin((1,), [1, 3])
+    assert _trie(memory.root) == _trie(clean.root) and len(memory) == len(clean) == 6
+    small = SuffixMemory(cap=10)
+    for key in range(4):
+        small.begin((key,), [key] * 4)
+    assert [k for k, _ in small.texts.values()] == [(2,), (3,)] and len(small) == 8  # oldest dropped
+    long = SuffixMemory()
+    long.begin((0,), list(range(100)))
+    assert max(_depth(long.root), 0) == DEPTH
+
+
+def _depth(node) -> int:
+    return 1 + max((_depth(c) for c in node.children.values()), default=-1) if node.children else 0
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_suffix_drafts_from_earlier_runs_and_stays_lossless(llama_pair, adaptive):
+    from engine.suffix import SuffixDrafter, SuffixMemory
+
+    target, _, tok = llama_pair
+    memory = SuffixMemory()
+    costs = [1.0 + 0.1 * k for k in range(17)] if adaptive else None
+    accepted, first = [], prompt_ids(tok, PROMPTS[0])
+    # the last prompt is the first one with the start of its answer: the rest of that answer is in memory
+    for ids in [prompt_ids(tok, text) for text in PROMPTS] + [first + run_baseline(target, tok, first, 5).token_ids]:
+        expected = run_baseline(target, tok, ids, 40, eos=()).token_ids
+        result = run_spec(target, tok, ids, SuffixDrafter(memory, 6, costs), 6, 40, eos=())
+        assert result.token_ids == expected
+        accepted.append(result.metrics.accepted_tokens)
+    assert accepted[-1] > 2 * accepted[0] and len(memory.texts) == 4

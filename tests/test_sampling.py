@@ -170,3 +170,23 @@ def test_confidence_stopped_drafts_keep_the_target_distribution():
     for i in range(length):
         assert_matches(spec[i], exact[i], slack=0.01)
         assert_matches(base[i], exact[i], slack=0.01)
+
+
+def test_suffix_drafts_from_session_memory_keep_the_target_distribution():
+    from engine.suffix import SuffixDrafter, SuffixMemory
+
+    target = tiny_llama(vocab_size=8, layers=1, seed=5)
+    cfg, prompt, length = SamplingConfig(temperature=1.0), [1, 2, 3], 4
+    exact = exact_marginals(target, prompt, cfg, length)
+    memory = SuffixMemory()
+    memory.begin((7,), [4, 1, 2, 3, 5, 6, 7, 5, 6, 4, 3, 5, 6, 7])  # another prompt's text
+
+    def drafter():
+        memory.begin((0,), [0])  # a run starts: nothing of earlier runs of this prompt may be used
+        return SuffixDrafter(memory, 3)
+
+    spec, base, accepted, drafted = sampled_counts(target, drafter, 3, cfg, prompt, length)
+    assert 0 < accepted < drafted
+    for i in range(length):
+        assert_matches(spec[i], exact[i], slack=0.01)
+        assert_matches(base[i], exact[i], slack=0.01)

