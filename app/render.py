@@ -68,6 +68,7 @@ def speculative_tokens(steps: list[StepEvent]) -> str:
         for i, (token, piece) in enumerate(zip(s.tokens, s.pieces)):
             if i < s.accepted:
                 title = f"step {s.step}, draft position {i + 1}: accepted, {_probs(s, i)}"
+                title += f" · {s.draft_note}" if s.draft_note else ""
                 if piece:
                     out.append(_span("acc", piece, title))
                 continue

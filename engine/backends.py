@@ -31,6 +31,7 @@ from engine.speculative import speculative_decode
 class Pair:
     target: LoadedModel
     draft: LoadedModel | None
+    same_ids: bool = True  # False: the draft has another tokenizer, its drafts go through text (engine.crosstok)
 
 
 @contextmanager
@@ -105,24 +106,21 @@ class Transformers:
             yield Status(f"loading draft {s.draft}")
             with blame("draft"):
                 draft = yield from _load(s.draft, s, self.loaded)
-                self._check_vocab(target, draft, s)
             yield Status("draft " + draft.describe())
-        self.pair = Pair(target, draft)
+        self.pair = Pair(target, draft, self._same_ids(target, draft))
+        if not self.pair.same_ids:
+            yield Status("the draft has another tokenizer: its drafts are re-encoded into the target's tokens")
 
     def serves(self, s: Settings) -> bool:
         """Whether runs with `s` need nothing this pair lacks (the draft is loaded when a cell first needs it)."""
         return not s.uses_draft or self.pair.draft is not None
 
     @staticmethod
-    def _check_vocab(target: LoadedModel, draft: LoadedModel, s: Settings) -> None:
-        """Speculation verifies token ids, so the two models must mean the same thing by every id. A draft
-        that fails is freed at once: it is of no use with this target."""
-        from engine.doctor import vocab_check
+    def _same_ids(target: LoadedModel, draft: LoadedModel | None) -> bool:
+        """Speculation verifies token ids: a draft with another tokenizer drafts through text instead."""
+        from engine.doctor import same_ids, vocab_check
 
-        check = vocab_check(target.tokenizer, draft.tokenizer)
-        if check.status == "fail":
-            MODELS.drop(s.draft, s.dtype, s.device, compile=s.compile)
-            raise UserError(f"the draft {draft.spec!r} does not share the target's vocabulary: {check.detail}")
+        return draft is None or same_ids(vocab_check(target.tokenizer, draft.tokenizer))
 
     @property
     def environment(self) -> dict:
@@ -141,6 +139,8 @@ class Transformers:
             "cpu_threads": torch.get_num_threads(),
             "dtype": str(target.dtype).replace("torch.", ""),
             "linear_forms": target.linear_forms,
+            "draft_tokenizer": None if self.pair.draft is None else "same ids" if self.pair.same_ids else
+            "another: drafts re-encoded through text",
             "step_s_at_load": target.step_s,
         }
 
@@ -176,6 +176,11 @@ class Transformers:
 
     def drafter(self, s: Settings, ids: list[int], reference: list[int]) -> Drafter:
         pair, room = self.pair, len(ids) + s.max_new_tokens + MAX_GAMMA
+        if s.drafter == "draft-model" and not pair.same_ids:
+            from engine.crosstok import CrossTokenizerDraft
+
+            return CrossTokenizerDraft(pair.draft.model, pair.draft.tokenizer, pair.target.tokenizer, room * 4,
+                                       s.gamma, s.adaptive, s.p_min)  # fmt: skip
         if s.drafter == "draft-model":
             return DraftModel(pair.draft.model, pair.target.vocab_size, room, s.gamma, s.adaptive, s.p_min)
         if s.drafter == "prompt-lookup":

@@ -60,13 +60,26 @@ def byte_tokenizer():
 
 
 class LetterTokenizer:
-    """Minimal tokenizer for tiny-vocabulary models: id i is the letter chr(97 + i)."""
+    """Minimal tokenizer for tiny-vocabulary models: id i is the letter chr(97 + i) (`reverse`: of the last
+    letter, so that the same text has other ids: another tokenizer)."""
 
     eos_token_id = None
     chat_template = None
 
+    def __init__(self, size: int = 8, reverse: bool = False):
+        self.size, self.reverse = size, reverse
+
+    def _id(self, i: int) -> int:
+        return self.size - 1 - i if self.reverse else i
+
     def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(97 + i) for i in ids)
+        return "".join(chr(97 + self._id(i)) for i in ids)
+
+    def encode(self, text, add_special_tokens=False):
+        return [self._id(ord(c) - 97) for c in text]
+
+    def get_vocab(self):
+        return {chr(97 + self._id(i)): i for i in range(self.size)}
 
 
 @pytest.fixture(scope="session")

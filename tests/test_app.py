@@ -98,15 +98,12 @@ def test_bad_input_names_its_field_in_the_error_and_on_the_form(model_dirs, over
     assert outputs[-1][1].startswith("not started")  # no run was counted
 
 
-def test_a_failed_run_is_counted_and_its_draft_freed(model_dirs):
-    from engine.models import MODELS
-
-    outputs, err = run_until_error(ui_values(model_dirs, draft=model_dirs["other-vocab"]))
-    assert "vocabulary" in str(err) and "(field: draft)" in str(err)
+def test_a_failed_run_is_counted(model_dirs):
+    outputs, err = run_until_error(ui_values(model_dirs, prompt="x" * 300))  # past the tiny model's 256 tokens
+    assert "context of 256 tokens" in str(err) and "(field: prompt)" in str(err)
     status, history, error = outputs[-1][1], outputs[-1][6], outputs[-1][-1]
-    assert status.startswith("run 1 · failed: ") and 'data-field="draft"' in error
+    assert status.startswith("run 1 · failed: ") and 'data-field="prompt"' in error
     assert history[0][1] == "failed"
-    assert model_dirs["other-vocab"] not in [m.spec for m in MODELS.loaded()]  # refused, so not kept in memory
     # the next run counts on
     assert run_handler(ui_values(model_dirs, max_new_tokens=4, history=history))[-1][1].startswith("run 2 · done")
 

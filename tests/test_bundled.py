@@ -52,3 +52,38 @@ def test_bundled_text_stream_reassembles_unicode(bundled):
     stream = TextStream(tok)
     pieces = [stream.push(t) for t in tok(text, add_special_tokens=False)["input_ids"]]
     assert "".join(pieces) + stream.flush() == text
+
+
+def test_drafts_through_text_round_trip_on_a_real_tokenizer(bundled):
+    """The target drafting for itself through its text (the path of a draft with another tokenizer): every
+    re-encoded draft is the target's own next tokens, so nearly all hold; ids equal the baseline's."""
+    from engine.crosstok import CrossTokenizerDraft
+    from engine.sampling import SamplingConfig
+    from engine.speculative import speculative_decode
+
+    tok, model = bundled.tokenizer, bundled.model
+    ids = encode_prompt(tok, REWRITE, chat=True)
+    drafter = CrossTokenizerDraft(model, tok, tok, gamma=4)
+    with torch.inference_mode():
+        steps = list(speculative_decode(model, tok, ids, drafter, SamplingConfig(), 32, {tok.eos_token_id}))
+    emitted = [t for s in steps for t in s.tokens]
+    assert emitted == hf_generate(bundled, ids, 32)[: len(emitted)]
+    accepted, drafted = sum(s.accepted for s in steps), sum(len(s.drafted) for s in steps)
+    assert drafted > 0 and accepted / drafted > 0.8
+
+
+def test_a_draft_whose_text_merges_with_the_last_tokens_proposes_nothing(bundled):
+    from engine.crosstok import CrossTokenizerDraft
+    from engine.drafters import Draft
+    from engine.sampling import SamplingConfig
+
+    tok = bundled.tokenizer
+    drafter = CrossTokenizerDraft(bundled.model, tok, tok, gamma=4)
+    drafter.reset()
+    ids = tok.encode("Hello wor", add_special_tokens=False)
+    drafter.inner.greedy = lambda draft_ids, gamma: Draft(tok.encode("ld and more", add_special_tokens=False), 2)
+    merged = drafter.propose(ids, 8, SamplingConfig(), None)
+    assert merged.tokens == [] and "merged with the last target tokens" in merged.note
+    drafter.inner.greedy = lambda draft_ids, gamma: Draft(tok.encode(" and more", add_special_tokens=False), 2)
+    clean = drafter.propose(ids, 8, SamplingConfig(), None)
+    assert tok.decode(clean.tokens) == " and more" and "the draft's own tokens" in clean.note

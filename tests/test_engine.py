@@ -417,3 +417,17 @@ def test_suffix_drafts_from_earlier_runs_and_stays_lossless(llama_pair, adaptive
         assert result.token_ids == expected
         accepted.append(result.metrics.accepted_tokens)
     assert accepted[-1] > 2 * accepted[0] and len(memory.texts) == 4
+
+
+def test_a_draft_with_another_tokenizer_drafts_through_text_and_stays_lossless(model_dirs):
+    """The pair of the fixtures with different tokenizers (bytes vs words): no longer refused."""
+    from engine.compare import compare
+    from engine.settings import Settings
+
+    s = Settings(target=model_dirs["target"], drafter="draft-model", draft=model_dirs["other-vocab"], gamma=3,
+                 max_new_tokens=24, seed=0, warmup=False)  # fmt: skip
+    c = compare(s, "w1 w2 w3 w1 w2")
+    assert c.identical is True and c.speculative.metrics.drafted_tokens > 0
+    notes = [x.draft_note for x in c.speculative.steps[1:]]
+    assert all(n.startswith("the draft's own tokens: ") for n in notes[:-1]), notes  # shown on hover
+    assert any(x.accepted == 0 < len(x.drafted) for x in c.speculative.steps[1:])  # drafts that missed
