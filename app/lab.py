@@ -32,7 +32,8 @@ HELP = """Measure whether speculation pays for this pair **on this machine**: ev
 with its min–max spread. The predictor fits α per draft position, the draft cost c and the verify cost from
 these runs and draws the expected speedup over γ. Pick one γ, one temperature and one drafter with several
 categories to run the task suite. With the draft model in the sweep, synthetic α cells run its passes too,
-so they show what this draft would reach at that α. The camera icon on a chart saves it as PNG; the
+so they show what this draft would reach at that α. Suffix cells start with an empty session memory and
+run the prompts in order, each seeing the earlier prompts' outputs. The camera icon on a chart saves it as PNG; the
 report's charts.html holds both charts and opens offline."""
 
 CELL_COLUMNS = ["drafter", "γ", "temperature", "confidence stop", "speedup ×", "min", "max", "samples", "acceptance",
@@ -50,7 +51,8 @@ def build_layout() -> SimpleNamespace:
         ui.gammas = gr.CheckboxGroup(GAMMAS, value=[1, 2, 4, 8], label="γ values")
         ui.temperatures = gr.Textbox("0", label="temperatures", info="comma-separated, e.g. 0, 0.7")
         ui.drafters = gr.CheckboxGroup(
-            [("draft model", "draft-model"), ("prompt lookup", "prompt-lookup"), ("synthetic α", "synthetic"),
+            [("draft model", "draft-model"), ("prompt lookup", "prompt-lookup"), ("suffix", "suffix"),
+             ("synthetic α", "synthetic"),
              ("n-gram mod (llama.cpp)", "ngram-mod"), ("n-gram map-k (llama.cpp)", "ngram-map-k")],
             value=["prompt-lookup"],
             label="drafters",

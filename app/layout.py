@@ -70,7 +70,8 @@ def build_layout() -> SimpleNamespace:
             widget("drafter", gr.Radio(DRAFTERS, value=default["drafter"], label="drafter"))
             widget("draft", gr.Textbox(
                 default["draft"], label="draft model",
-                info="same vocabulary as the target; with synthetic α, its passes run for their cost",
+                info="best with the target's tokenizer; another one works through text (Check pair says); with "
+                "synthetic α, its passes run for their cost",
             ))  # fmt: skip
             with gr.Row():
                 ui.check = gr.Button("Check pair", size="sm", elem_id="check-pair")

@@ -22,7 +22,7 @@ import os
 import threading
 from collections import OrderedDict
 
-from engine.drafters import Draft, Drafter
+from engine.drafters import PromptLookup
 from engine.settings import MAX_GAMMA
 
 MAX_MATCH = 12  # longest suffix of the current text looked up
@@ -126,29 +126,27 @@ class SuffixMemory:
 
     # -- drafting ----------------------------------------------------------------------------------------
 
-    def continuation(self, context: list[int], limit: int) -> tuple[list[int], list[float]]:
-        """The most frequent continuation after the longest known suffix of `context`, with the chance that
-        each token and all before it hold, estimated from the counts (count / (seen + 1): one earlier
-        occurrence is weaker evidence than ten)."""
+    def continuation(self, context: list[int], limit: int, by_match: bool = True) -> tuple[list[int], int]:
+        """The most frequent continuation after the longest known suffix of `context`, and that suffix's
+        length (0: none known). It stops where what followed there disagrees (the continuation's share,
+        multiplied along the way, falls below MIN_SHARE) and, `by_match`, at FACTOR x the match length."""
         with self.lock:
             for m in range(min(MAX_MATCH, len(context)), 0, -1):
                 node = self._walk(context[-m:])
                 if node is None or not node.children:
                     continue
-                tokens, chances, share, chance = [], [], 1.0, 1.0
-                room = min(limit, int(FACTOR * m), DEPTH - m)
+                tokens, share = [], 1.0
+                room = min(limit, DEPTH - m, int(FACTOR * m) if by_match else limit)
                 while node.children and len(tokens) < room:
                     total = sum(c.count for c in node.children.values())
-                    token, child = max(node.children.items(), key=lambda kv: kv[1].count)
+                    token, child = max(node.children.items(), key=lambda kv: kv[1].count)  # ties: the earliest
                     share *= child.count / total
                     if share < MIN_SHARE:
                         break
-                    chance *= child.count / (total + 1)
                     tokens.append(token)
-                    chances.append(chance)
                     node = child
-                return tokens, chances
-            return [], []
+                return tokens, m
+            return [], 0
 
 
 MEMORIES: dict[str, SuffixMemory] = {}
@@ -163,16 +161,16 @@ def memory_for(session: str) -> SuffixMemory:
         return MEMORIES[session]
 
 
-class SuffixDrafter(Drafter):
-    """Drafts from a SuffixMemory, up to gamma tokens. With `costs` (adaptive; costs[k]: the target pass that
-    verifies k draft tokens, relative to a one-token step) up to MAX_GAMMA, cut to the length with the most
-    expected tokens per unit of target time, the chances coming from the counts."""
+class SuffixDrafter(PromptLookup):
+    """Prompt lookup's drafting with the session's memory as its source: the same draft sizing (up to gamma;
+    with `costs`, adaptive: the length with the most expected tokens per unit of target time, from what
+    held so far in this run, the match length standing in for the n-gram size), drafts from the trie."""
 
     name = "suffix"
 
     def __init__(self, memory: SuffixMemory, gamma: int = 4, costs: list[float] | None = None):
-        self.memory, self.costs = memory, costs
-        super().__init__(gamma, adaptive=costs is not None)
+        self.memory = memory
+        super().__init__(max_ngram=MAX_MATCH, costs=costs, gamma=gamma)
 
     def reset(self) -> None:
         super().reset()
@@ -190,14 +188,8 @@ class SuffixDrafter(Drafter):
         if self.text_id is not None:
             self._learn(ids)
 
-    def propose(self, ids, limit, cfg, generator) -> Draft:
+    def _lookup(self, ids: list[int], gamma: int) -> tuple[list[int], int]:
         self._learn(ids)
-        gamma = MAX_GAMMA if self.adaptive else self.gamma
-        tokens, chances = self.memory.continuation(ids, min(gamma, limit))
-        if self.costs and tokens:
-            rates = [(1 + sum(chances[:k])) / self.costs[k] for k in range(min(len(tokens), len(self.costs) - 1) + 1)]
-            tokens = tokens[: max(range(len(rates)), key=rates.__getitem__)]
-        return Draft(tokens)
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        pass  # the match length and the counts size each draft
+        if gamma <= 0:
+            return [], 0
+        return self.memory.continuation(ids, gamma, by_match=not self.adaptive)

@@ -378,12 +378,13 @@ def test_suffix_memory_counts_windows_forgets_the_same_prompt_and_drops_the_olde
 
     memory = SuffixMemory(cap=1000)
     first = memory.begin((1,), [1, 5, 6, 7, 8])
-    assert memory.continuation([9, 5, 6], 8)[0] == [7, 8]  # the longest known suffix, then what followed it
-    assert memory.continuation([2, 3], 8) == ([], [])
+    assert memory.continuation([9, 5, 6], 8) == ([7, 8], 2)  # the longest known suffix, then what followed it
+    assert memory.continuation([9, 6], 8) == ([7], 1)  # at most as long as the match
+    assert memory.continuation([9, 6], 8, by_match=False) == ([7, 8], 1)
+    assert memory.continuation([2, 3], 8) == ([], 0)
     memory.extend(first, [5, 6, 9])
     memory.begin((2,), [2, 5, 6, 9])  # "5 6" went on with 9 twice and with 7 once
-    tokens, chances = memory.continuation([4, 5, 6], 8)
-    assert tokens[0] == 9 and chances[0] == 2 / 4  # 2 of 3 seen, one more unseen
+    assert memory.continuation([4, 5, 6], 8) == ([9], 2)
     clean = SuffixMemory(cap=1000)
     clean.begin((2,), [2, 5, 6, 9])
     memory.begin((1,), [1, 3])  # a new run of prompt 1: its earlier text is forgotten, prompt 2's is kept
