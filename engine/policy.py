@@ -40,8 +40,8 @@ def app_model(spec: str) -> str:
         return spec
     allowed = allowed_models()
     root = os.environ.get("SPECARENA_MODELS_DIR")
-    if root and not _looks_local(spec) and (Path(root) / spec).is_dir():
-        spec = str(Path(root) / spec)  # a bare folder name inside the models folder
+    if root and not _looks_local(spec) and (Path(root) / spec).exists():
+        spec = str(Path(root) / spec)  # a bare folder (or .gguf file) name inside the models folder
     if _looks_local(spec):
         if not root:
             raise UserError("this app does not read local folders: use a Hub id or the bundled model "

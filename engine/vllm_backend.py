@@ -65,6 +65,10 @@ def speculative_config(s: Settings, draft_location: str | None) -> dict:
     if s.adaptive:
         raise UserError("vLLM drafts a constant number of tokens: turn adaptive γ off for the vLLM backend.",
                         field="adaptive")  # fmt: skip
+    if s.p_min or s.draft_min:
+        field = "p_min" if s.p_min else "draft_min"
+        raise UserError("vLLM has no confidence stop or shortest draft for its drafts: set both to 0 for the vLLM "
+                        "backend.", field=field)  # fmt: skip
     method = METHODS[s.drafter]
     if s.drafter == "synthetic" and draft_location:
         method = "draft_model"  # the draft's passes run for their cost; acceptance is forced below

@@ -201,3 +201,39 @@ def test_phone_width_stacks_panes_and_charts_and_keeps_run_in_reach(browser, liv
     page.screenshot(path=os.path.join(os.environ.get("SPECARENA_SHOTS", "/tmp"), "specarena-phone.png"),
                     full_page=True)  # fmt: skip
     page.close()
+
+
+def test_suffix_memory_fills_with_runs_and_is_cleared_from_the_page(browser, live_app):
+    page = open_page(browser, live_app)  # a session of its own: its own suffix memory
+    try:
+        page.click("#field-drafter label:has-text('suffix')")
+        page.fill("#field-prompt [data-testid=textbox]", REWRITE)
+        set_max_new_tokens(page, 24)
+        page.click("#run")
+        wait_status(page, "run 1", "done in")
+        assert "outputs identical" in page.inner_text("#summary")
+        page.click("#forget")
+        wait_status(page, "suffix memory cleared")
+        forgotten = int(status(page).split(": ")[1].split()[0])
+        assert forgotten > 24  # the prompt and the answer of the run
+        page.click("#forget")
+        wait_status(page, "cleared: 0 tokens")
+    finally:
+        page.close()
+
+
+@pytest.mark.llamacpp
+def test_a_run_on_llama_cpp_from_the_page(browser, live_app):
+    page = open_page(browser, live_app)
+    try:
+        page.click("#field-backend label:has-text('llama.cpp')")
+        page.click("#field-drafter label:has-text('n-gram map-k')")
+        page.fill("#field-prompt [data-testid=textbox]", REWRITE)
+        set_max_new_tokens(page, 32)
+        page.click("#run")
+        wait_status(page, "run 1", "done in")
+        summary = page.inner_text("#summary")
+        assert "outputs identical" in summary and "llama.cpp: rejected drafts counted" in summary
+        assert page.inner_text("#spec-pane .sa-text").strip() == page.inner_text("#baseline-pane .sa-text").strip()
+    finally:
+        page.close()

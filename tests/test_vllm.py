@@ -150,6 +150,9 @@ def test_bad_setups_get_clear_messages_and_leave_nothing_running(vllm_python, mo
     with pytest.raises(UserError, match="adaptive") as err:
         open_backend(settings(adaptive=True))
     assert err.value.field == "adaptive"
+    with pytest.raises(UserError, match="no confidence stop") as err:
+        open_backend(settings(drafter="draft-model", draft="bundled", p_min=0.5))
+    assert err.value.field == "p_min"
     with pytest.raises(UserError, match="runs on the vLLM backend only"):
         open_backend(Settings(drafter="eagle3", draft="bundled"))
     monkeypatch.delenv("SPECARENA_VLLM_PYTHON")
