@@ -110,8 +110,13 @@ def verdict(alpha, c, verify, best_gamma, measured, best_predicted, c_known: boo
         )
     if not c_known:  # a server backend: drafting is timed inside each step
         g = max(verify, key=verify.get) if verify else 1
-        why = (f"a step that drafts {g} and verifies costs {verify.get(g, 1.0):.2f} one-token steps, more than the "
-               f"{leviathan_speedup(alpha, g, 0.0):.2f} tokens it brings at alpha = {alpha:.2f}")  # fmt: skip
+        v, brings = verify.get(g, 1.0), leviathan_speedup(alpha, g, 0.0)
+        if brings > v:  # the steps that drafted paid: the loss is in the steps that found nothing to draft
+            why = (f"its drafting steps pay (a {g}-token draft costs {v:.2f} one-token steps and brings {brings:.2f} "
+                   f"tokens at alpha = {alpha:.2f}), but too few steps found a draft to outweigh the rest")  # fmt: skip
+        else:
+            why = (f"a step that drafts {g} and verifies costs {v:.2f} one-token steps, more than the {brings:.2f} "
+                   f"tokens it brings at alpha = {alpha:.2f}")  # fmt: skip
     elif alpha <= c:
         why = f"c = {c:.2f} is not below alpha = {alpha:.2f}: drafting a token costs more than it is worth"
     else:

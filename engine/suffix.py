@@ -189,7 +189,15 @@ class SuffixDrafter(PromptLookup):
             self._learn(ids)
 
     def _lookup(self, ids: list[int], gamma: int) -> tuple[list[int], int]:
+        """The memory's continuation where it knows a longer match than the current text alone; else the
+        current text's own, as prompt lookup drafts it (every occurrence votes, ties go to the earliest,
+        which in an edit is the source). What held is learnt per match length 1, 2, 3+, as prompt lookup
+        learns it per n-gram size."""
         self._learn(ids)
         if gamma <= 0:
             return [], 0
-        return self.memory.continuation(ids, gamma, by_match=not self.adaptive)
+        tokens, m = self.memory.continuation(ids, gamma, by_match=not self.adaptive)
+        own, n = super()._lookup(ids, gamma)
+        if n and n >= m:
+            tokens = own if self.adaptive else own[: max(1, int(FACTOR * n))]
+        return tokens, min(m, 3)
