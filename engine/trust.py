@@ -23,16 +23,26 @@ BUSY = 0.25  # share of all CPUs that other processes used during the runs
 
 
 class OtherLoad:
-    """CPU time that other processes took while the runs went on, as a share of all CPUs."""
+    """CPU time that other processes (not ours, nor those we started) took while the runs went on, as a share
+    of all CPUs."""
 
     def __init__(self):
         self.process = psutil.Process()
         self.start = self._read()
 
     def _read(self) -> tuple[float, float, float]:
+        """(all CPUs' busy time, ours, now). Ours includes the processes we started: the engine servers of
+        the vLLM and llama.cpp backends do the runs' work."""
         times, own = psutil.cpu_times(), self.process.cpu_times()
         busy = sum(times) - times.idle - getattr(times, "iowait", 0.0)
-        return busy, own.user + own.system, time.monotonic()
+        ours = own.user + own.system + own.children_user + own.children_system  # children that ended, too
+        for child in self.process.children(recursive=True):
+            try:
+                spent = child.cpu_times()
+                ours += spent.user + spent.system
+            except psutil.Error:
+                pass  # it ended meanwhile
+        return busy, ours, time.monotonic()
 
     def share(self) -> float:
         busy0, own0, t0 = self.start

@@ -96,3 +96,22 @@ def test_loading_times_a_one_token_pass(model_dirs):
 
     loaded = ModelCache(max_models=1).get(model_dirs["target"])
     assert loaded.step_s is not None and 0 < loaded.step_s < 5
+
+
+def test_processes_we_started_are_not_other_load():
+    """A server backend's engine runs in processes we started: their CPU time is the run's own work."""
+    import subprocess
+    import sys
+    import time
+
+    burn = "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"
+    load = OtherLoad()
+    subprocess.run([sys.executable, "-c", burn], check=True)  # our child: ours
+    ours = load.share()
+    load = OtherLoad()
+    # the same work in a process that is not ours (its parent exits at once: it is re-parented, as a stranger)
+    stranger = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {burn!r}])"
+    subprocess.run([sys.executable, "-c", stranger], check=True)
+    time.sleep(1.6)
+    other = load.share()
+    assert ours < 0.25 < other
