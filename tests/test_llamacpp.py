@@ -43,11 +43,20 @@ def settings(**over) -> Settings:
                         "seed": 0} | over))  # fmt: skip
 
 
-def our_servers() -> list:
-    """llama-servers this test process started (an app under test elsewhere may run its own)."""
+def our_servers() -> list[str]:
+    """llama-servers this test process started, each under its guardian (an app under test, also our child,
+    runs its own: those are not ours)."""
     import psutil
 
-    return [p for p in psutil.Process().children(recursive=True) if "llama-server" in p.name()]
+    found = []
+    for child in psutil.Process().children():
+        try:
+            command = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if "guard.py" in command and "llama-server" in command and child.is_running():
+            found.append(command)
+    return found
 
 
 def answers(url: str) -> bool:

@@ -110,6 +110,13 @@ def exact_marginals(model, prompt, cfg, length):
     return marginals
 
 
+def assert_both_exact(spec, base, exact) -> None:
+    """Speculative and baseline token counts both follow the exact marginals, position by position."""
+    for i in range(len(exact)):
+        assert_matches(spec[i], exact[i], slack=0.01)
+        assert_matches(base[i], exact[i], slack=0.01)
+
+
 def sampled_counts(target, make_drafter, gamma, cfg, prompt, length, runs=1500):
     """Token counts per position over `runs` seeds, speculative and baseline, and (accepted, drafted)."""
     tok, vocab = LetterTokenizer(), target.config.vocab_size
@@ -138,9 +145,7 @@ def test_sampled_speculative_run_matches_target_distribution(cfg):
     exact = exact_marginals(target, prompt, cfg, length)
     spec, base, accepted, drafted = sampled_counts(target, lambda: DraftModel(draft, 8), 2, cfg, prompt, length)
     assert 0.2 < accepted / drafted < 0.95  # both branches of the rule were exercised
-    for i in range(length):
-        assert_matches(spec[i], exact[i], slack=0.01)
-        assert_matches(base[i], exact[i], slack=0.01)
+    assert_both_exact(spec, base, exact)
 
 
 def test_prompt_lookup_sizing_its_own_drafts_keeps_the_target_distribution():
@@ -151,9 +156,7 @@ def test_prompt_lookup_sizing_its_own_drafts_keeps_the_target_distribution():
     costs = [1.0] + [1.3] * 4
     spec, base, accepted, drafted = sampled_counts(target, lambda: PromptLookup(2, costs=costs), 4, cfg, prompt, length)
     assert 0 < accepted < drafted
-    for i in range(length):
-        assert_matches(spec[i], exact[i], slack=0.01)
-        assert_matches(base[i], exact[i], slack=0.01)
+    assert_both_exact(spec, base, exact)
 
 
 def test_confidence_stopped_drafts_keep_the_target_distribution():
@@ -167,9 +170,7 @@ def test_confidence_stopped_drafts_keep_the_target_distribution():
                                                    length)  # fmt: skip
     assert 0 < accepted < drafted
     assert drafted / 1500 < full[3] / 300  # the stop drafted fewer tokens per run
-    for i in range(length):
-        assert_matches(spec[i], exact[i], slack=0.01)
-        assert_matches(base[i], exact[i], slack=0.01)
+    assert_both_exact(spec, base, exact)
 
 
 def test_suffix_drafts_from_session_memory_keep_the_target_distribution():
@@ -187,9 +188,7 @@ def test_suffix_drafts_from_session_memory_keep_the_target_distribution():
 
     spec, base, accepted, drafted = sampled_counts(target, drafter, 3, cfg, prompt, length)
     assert 0 < accepted < drafted
-    for i in range(length):
-        assert_matches(spec[i], exact[i], slack=0.01)
-        assert_matches(base[i], exact[i], slack=0.01)
+    assert_both_exact(spec, base, exact)
 
 
 def test_drafts_from_another_tokenizer_keep_the_target_distribution():
@@ -207,6 +206,4 @@ def test_drafts_from_another_tokenizer_keep_the_target_distribution():
     make = lambda: CrossTokenizerDraft(draft, LetterTokenizer(reverse=True), LetterTokenizer(), gamma=2)  # noqa: E731
     spec, base, accepted, drafted = sampled_counts(target, make, 2, cfg, prompt, length)
     assert 0.05 < accepted / drafted < 0.95  # argmax drafts against a sampled target: both branches exercised
-    for i in range(length):
-        assert_matches(spec[i], exact[i], slack=0.01)
-        assert_matches(base[i], exact[i], slack=0.01)
+    assert_both_exact(spec, base, exact)
