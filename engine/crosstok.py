@@ -15,14 +15,10 @@ needed, so no vocabulary overlap is either; the overlap only says how often the 
 from __future__ import annotations
 
 from engine.drafters import Draft, Drafter, DraftModel
+from engine.sampling import SamplingConfig
 
 BOUNDARY = 4  # target tokens re-encoded with the draft's text
-
-
-def vocab_overlap(target_tok, draft_tok) -> tuple[int, int]:
-    """(tokens whose string is in both vocabularies, the target's vocabulary size)."""
-    t, d = target_tok.get_vocab(), draft_tok.get_vocab()
-    return len(t.keys() & d.keys()), len(t)
+GREEDY = SamplingConfig()
 
 
 class CrossTokenizerDraft(Drafter):
@@ -63,7 +59,7 @@ class CrossTokenizerDraft(Drafter):
         draft_ids = self.draft_tok.encode(self._text(ids), add_special_tokens=False)
         if not draft_ids:
             return Draft([])
-        own = self.inner.greedy(draft_ids, gamma)
+        own = self.inner.propose(draft_ids, gamma, GREEDY, None)  # its argmax, in its own vocabulary
         if not own.tokens:
             return Draft([], passes=own.passes, note=own.note)
         written = self.draft_tok.decode(own.tokens, skip_special_tokens=True)

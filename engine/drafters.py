@@ -142,24 +142,6 @@ class DraftModel(Drafter):
         return Draft(tokens, torch.stack(rows) if rows else None, passes=passes, note=note)
 
 
-    def greedy(self, ids: list[int], gamma: int) -> Draft:
-        """Its argmax tokens after `ids`, in its own vocabulary (for a target with another tokenizer), with
-        the confidence stop."""
-        feed = self._sync(ids)
-        tokens, note = [], ""
-        for _ in range(gamma):
-            logits = forward(self.model, feed, self.cache, keep=1)[-1]
-            self.fed.extend(feed)
-            if self.p_min:
-                top = float(logits.float().softmax(-1).max())
-                if top < self.p_min:
-                    note = f"confidence stop before draft token {len(tokens) + 1}: top p {top:.2f} < {self.p_min:g}"
-                    break
-            tokens.append(int(logits.argmax()))
-            feed = tokens[-1:]
-        return Draft(tokens, passes=len(tokens) + bool(note), note=note)
-
-
 class PromptLookup(Drafter):
     """Find the last max_ngram..min_ngram tokens earlier in the text and propose what followed them.
 

@@ -53,7 +53,7 @@ NEEDED_FLAGS = ("--spec-type", "--spec-draft-n-max", "--spec-draft-n-min", "--sp
                 "--spec-ngram-mod-n-max", "--no-webui")  # fmt: skip
 INSTALL = (
     "Point SPECARENA_LLAMA_SERVER at a llama-server binary of a 2026 llama.cpp, or build one "
-    "from source with `python -m engine build-llama-server` (about 10-20 minutes on 2 cores; cached in "
+    "from source with `python -m engine build-llama-server` (about 10 minutes on 2 cores; cached in "
     "~/.cache/specarena), or set SPECARENA_LLAMA_BASELINE_URL and SPECARENA_LLAMA_SPECULATIVE_URL to running servers."
 )
 
@@ -131,8 +131,8 @@ def build(progress=print, jobs: int | None = None) -> Path:
         source = next(Path(work).glob("*/llama.cpp"))
         flags = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_OPENSSL=OFF",
                  "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]  # fmt: skip
-        jobs = jobs or len(os.sched_getaffinity(0))
-        progress(f"building llama-server with {jobs} jobs (10-20 minutes on 2 cores)")
+        jobs = jobs or threads()
+        progress(f"building llama-server with {jobs} jobs (about 10 minutes on 2 cores)")
         for step in (["cmake", "-S", str(source), "-B", f"{work}/build", *flags],
                      ["cmake", "--build", f"{work}/build", "--target", "llama-server", "-j", str(jobs)]):  # fmt: skip
             done = subprocess.run(step, capture_output=True, text=True)

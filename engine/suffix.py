@@ -113,15 +113,12 @@ class SuffixMemory:
                 if parent.children[token].count == 0:
                     del parent.children[token]
 
-    def _walk(self, path: list[int], create: bool = False) -> Node | None:
+    def _walk(self, path: list[int]) -> Node | None:
         node = self.root
         for t in path:
-            child = node.children.get(t)
-            if child is None:
-                if not create:
-                    return None
-                child = node.children[t] = Node()
-            node = child
+            node = node.children.get(t)
+            if node is None:
+                return None
         return node
 
     # -- drafting ----------------------------------------------------------------------------------------

