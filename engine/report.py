@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import shlex
 from pathlib import Path
 
 from engine.settings import BUNDLED
@@ -21,11 +22,6 @@ CSV_COLUMNS = [
 
 # What the bundled model is on the Hub: an engine elsewhere loads it by that name, not by ours.
 HUB_NAMES = {BUNDLED: "HuggingFaceTB/SmolLM2-135M-Instruct", "bundled": "HuggingFaceTB/SmolLM2-135M-Instruct"}
-# llama.cpp's 2026 flags: --draft-max/--draft-min were removed in favour of these.
-LLAMA_CPP_NGRAM = "--spec-type ngram-simple --spec-ngram-simple-size-n {n} --spec-draft-n-max {gamma}"
-LLAMA_CPP_DRAFT = (
-    "-md {draft} --spec-type draft-simple --spec-draft-n-max {gamma} --spec-draft-n-min 0 --spec-draft-p-min {p_min:g}"
-)
 
 
 def best_setting(report: dict) -> dict | None:
@@ -74,7 +70,6 @@ def snippets(report: dict) -> dict[str, str]:
         return {}
     s = report["settings"]
     target, gamma, ngram = hub_name(s["target"]), best["gamma"], s.get("ngram", 3)
-    gguf = f"{target.split('/')[-1]}.gguf"
     if s.get("backend") == "vllm":
         return {"vllm": vllm_serve(s, best)}
     if s.get("backend") == "llama.cpp" and best["server_command"]:
@@ -85,7 +80,7 @@ def snippets(report: dict) -> dict[str, str]:
             f"max_matching_ngram_size={ngram})",
             "vllm": f'LLM(model="{target}", speculative_config={{"method": "ngram", '
             f'"num_speculative_tokens": {gamma}, "prompt_lookup_max": {ngram}, "prompt_lookup_min": 1}})',
-            "llama.cpp": f"llama-server -m {gguf} " + LLAMA_CPP_NGRAM.format(n=ngram, gamma=gamma),
+            "llama.cpp": llama_server(s, best),
         }
     draft = hub_name(s["draft"])
     return {
@@ -93,19 +88,39 @@ def snippets(report: dict) -> dict[str, str]:
         f"model.generate(**inputs, assistant_model=draft, num_assistant_tokens={gamma}, "
         f'num_assistant_tokens_schedule="constant", assistant_confidence_threshold={best["p_min"]:g})',
         "vllm": f'LLM(model="{target}", speculative_config={{"model": "{draft}", "num_speculative_tokens": {gamma}}})',
-        "llama.cpp": f"llama-server -m {gguf} "
-        + LLAMA_CPP_DRAFT.format(draft=f"{draft.split('/')[-1]}.gguf", gamma=gamma, p_min=best["p_min"]),
+        "llama.cpp": llama_server(s, best),
     }
+
+
+def _cell(settings: dict, best: dict):
+    """The Settings the best cell ran with."""
+    from engine.settings import Settings
+
+    known = {k: v for k, v in settings.items() if k in Settings.names()}
+    return Settings(**known | {k: best[k] for k in ("drafter", "gamma", "temperature", "p_min")})
+
+
+def llama_server(settings: dict, best: dict) -> str:
+    """llama-server with the flags the llama.cpp backend would start for the best cell (engine.llamacpp builds
+    both), its GGUF files named after the models. llama.cpp sizes no draft adaptively: the best gamma is its
+    most."""
+    from dataclasses import replace
+
+    from engine.llamacpp import spec_flags
+
+    cell = _cell(settings, best)
+    cell = replace(cell, adaptive=False, draft_min=min(cell.draft_min, cell.gamma))
+    gguf = lambda spec: Path(f"{hub_name(spec).split('/')[-1]}.gguf")  # noqa: E731
+    draft = gguf(cell.draft) if cell.drafter == "draft-model" else None
+    return shlex.join(["llama-server", "-m", str(gguf(cell.target)), *spec_flags(cell, draft)])
 
 
 def vllm_serve(settings: dict, best: dict) -> str:
     """The vLLM command with exactly the speculative_config the best cell was measured with (built by the same
     function that configured the server), its models named by their Hub ids."""
-    from engine.settings import Settings
     from engine.vllm_backend import draft_location, speculative_config
 
-    known = {k: v for k, v in settings.items() if k in Settings.names()}
-    cell = Settings(**known | {k: best[k] for k in ("drafter", "gamma", "temperature", "p_min")})
+    cell = _cell(settings, best)
     config = speculative_config(cell, draft_location(cell))
     if "model" in config:
         config["model"] = hub_name(cell.draft)

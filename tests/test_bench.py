@@ -131,7 +131,7 @@ def test_exports_name_real_models_and_never_a_synthetic_cell():
     assert '"prompt_lookup_max": 2' in snippets["vllm"]
     assert snippets["llama.cpp"] == (
         "llama-server -m SmolLM2-135M-Instruct.gguf --spec-type ngram-simple --spec-ngram-simple-size-n 2 "
-        "--spec-draft-n-max 4"
+        "--spec-ngram-simple-size-m 4"  # ngram-simple drafts its m-gram: --spec-draft-n-max is not its length
     )
     only_synthetic = data | {"cells": [_cell("synthetic", 5, 3.0)]}
     assert report.snippets(only_synthetic) == {} and "only synthetic" in report.snippets_markdown(only_synthetic)
