@@ -23,6 +23,7 @@ any failure leaves the model as it was.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -95,14 +96,31 @@ def pack_linears(model: torch.nn.Module) -> list[PackedLinear]:
     return [module for _, _, module in packed]
 
 
-def cpu_name() -> str:
+def _cpuinfo_field(field: str) -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return ""
+
+
+def cpu_name() -> str:
+    """The CPU as people name it, with its widest vector instructions: "AMD EPYC" alone has named both an
+    AVX2 and an AVX512 machine here, and they pick different linear forms."""
+    name = _cpuinfo_field("model name") or platform.processor() or platform.machine()
+    flags = set(_cpuinfo_field("flags").split())
+    isa = [label for flag, label in (("avx512f", "AVX512"), ("avx512_bf16", "BF16"), ("amx_tile", "AMX"))
+           if flag in flags] or (["AVX2"] if "avx2" in flags else [])  # fmt: skip
+    return f"{name} ({', '.join(isa)})" if isa else name
+
+
+def cpu_id() -> str:
+    """A key for what is measured or compiled for this CPU: its name and a digest of every feature flag
+    (a binary built with -march=native on one may not even start on another of the same name)."""
+    digest = hashlib.sha1(_cpuinfo_field("flags").encode()).hexdigest()[:8]
+    return f"{cpu_name()} {digest}"
 
 
 def time_passes(model, rows: tuple[int, ...], repeats: int = 3, context: int = 64) -> dict[int, float]:
@@ -149,7 +167,7 @@ def choose_forms(model, layers: list[PackedLinear], key: str, cache_file: Path) 
     timings behind it (None when recalled from the cache)."""
     if not layers:
         return {"min_rows": None, "linear_forms": "stock nn.Linear (not packed here)", "measured": None}
-    key = f"{key}|{cpu_name()}|{torch.get_num_threads()} threads|torch {torch.__version__}"
+    key = f"{key}|{cpu_id()}|{torch.get_num_threads()} threads|torch {torch.__version__}"
     known = _read(cache_file)
     measured = None
     if mode() == "1":

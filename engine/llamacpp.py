@@ -63,10 +63,10 @@ INSTALL = (
 
 def cached_binary() -> Path:
     """Where build-llama-server puts its binary: per build and CPU, since it is compiled for this CPU."""
-    from engine.cpu import cpu_name
+    from engine.cpu import cpu_id
     from engine.models import cache_dir
 
-    cpu = re.sub(r"[^a-z0-9]+", "-", cpu_name().lower()).strip("-")[:40] or "cpu"
+    cpu = re.sub(r"[^a-z0-9]+", "-", cpu_id().lower()).strip("-")[:60] or "cpu"
     return cache_dir() / f"llama.cpp-b{BUILD}-{cpu}" / "llama-server"
 
 

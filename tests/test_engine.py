@@ -313,6 +313,19 @@ def test_linear_forms_follow_the_measurements_and_are_measured_once(llama_pair, 
     assert all(layer.min_rows == first["min_rows"] for layer in layers)
 
 
+def test_cpu_key_tells_apart_machines_of_one_name(monkeypatch):
+    """Two machines here were both "AMD EPYC": one AVX2, one AVX512. What is measured or compiled for one
+    (linear forms, a -march=native llama-server) must not be reused on the other."""
+    from engine import cpu, llamacpp
+
+    info = {"model name": "AMD EPYC", "flags": "fpu sse2 avx2 fma"}
+    monkeypatch.setattr(cpu, "_cpuinfo_field", lambda field: info[field])
+    avx2_key, avx2_binary, avx2_name = cpu.cpu_id(), llamacpp.cached_binary(), cpu.cpu_name()
+    info["flags"] += " avx512f avx512_bf16"
+    assert cpu.cpu_id() != avx2_key and llamacpp.cached_binary() != avx2_binary
+    assert (avx2_name, cpu.cpu_name()) == ("AMD EPYC (AVX2)", "AMD EPYC (AVX512, BF16)")
+
+
 def test_compiled_decoding_is_lossless(llama_pair):
     """The compiled path (static KV cache, passes padded up to a bucket, the padding cropped) gives the plain
     model's ids, for prefills short and long, the baseline, a draft model and self-sized prompt lookup drafts
