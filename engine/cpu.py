@@ -14,6 +14,13 @@ memory, the form fastest for one-token passes (the baseline's) serves every pass
 model, dtype, CPU, thread count and torch version, so it is measured once. Baseline and speculative runs
 use the same layers, so a pass of a given size runs the same form in both.
 
+Within a form, a pass is not always cheaper for having fewer rows: on an AMD EPYC (AVX512) a two-row pass of
+the bundled model took ~45 ms and a three-row pass ~40 ms, the same as one row (oneDNN picks its kernel by
+row count). So `choose_forms` then times whole passes of every size from 1 to PAD_ROWS rows, and a pass
+runs padded with zero rows up to the cheapest size at or above its own where that is clearly faster
+(`pad`); the extra rows' outputs are dropped. The verify cost of a k-token draft is then never more than
+that of a longer one, and the adaptive drafters see the true costs.
+
 The weight is packed without a batch-size hint: packed for one row (hint 1), oneDNN ran 2-5-row passes
 ~1.5x slower than one row. Results match nn.Linear to float32 rounding (~1e-5).
 
@@ -34,6 +41,9 @@ import torch
 
 ROWS = (1, 2, 3, 5, 9, 17)  # pass sizes timed: a decode step, verify passes of 1-16 draft tokens
 NEVER = 1 << 30  # min_rows that no pass reaches: the layer stays stock
+PAD_ROWS = 17  # passes of up to this many rows may run padded to a cheaper size
+PAD_GAIN = 0.05  # padding must save this share of the pass, more than the timing noise
+FORMS_VERSION = 2  # cached choices of an older version are measured again
 
 
 class PackedLinear(torch.nn.Module):
@@ -47,14 +57,18 @@ class PackedLinear(torch.nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)  # no batch hint: see above
         self.bias = None if linear.bias is None else linear.bias.detach()
         self.min_rows = 1
+        self.pad: tuple[int, ...] = ()  # pad[n]: the rows a pass of n rows runs as (shared by every layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
+        rows = flat.shape[0]
+        if rows < len(self.pad) and self.pad[rows] > rows:
+            flat = torch.cat([flat, flat.new_zeros(self.pad[rows] - rows, self.in_features)])
         if flat.shape[0] >= self.min_rows:
             out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
         else:
             out = torch.nn.functional.linear(flat, self.weight, self.bias)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out[:rows].reshape(*x.shape[:-1], self.out_features)
 
     def keep_only(self, min_rows: int) -> None:
         self.min_rows = min_rows
@@ -153,27 +167,41 @@ def _decide(stock: dict[int, float], packed: dict[int, float]) -> int:
     return min_rows
 
 
-def describe(min_rows: int) -> str:
+def _pad_table(times: dict[int, float]) -> tuple[int, ...]:
+    """pad[n]: the cheapest measured size at or above n, where it saves more than PAD_GAIN of n's time;
+    else n itself. () when no size is padded."""
+    pad = [0]
+    for n in sorted(times):
+        cheapest = min((m for m in times if m >= n), key=times.__getitem__)
+        pad.append(cheapest if times[cheapest] < (1 - PAD_GAIN) * times[n] else n)
+    return tuple(pad) if any(m != n for n, m in enumerate(pad)) else ()
+
+
+def describe(min_rows: int, pad: tuple[int, ...] = ()) -> str:
     if min_rows <= 1:
-        return "oneDNN-packed for every pass"
-    if min_rows >= NEVER:
-        return "stock nn.Linear for every pass"
-    return f"stock nn.Linear below {min_rows} rows, oneDNN-packed from {min_rows}"
+        text = "oneDNN-packed for every pass"
+    elif min_rows >= NEVER:
+        text = "stock nn.Linear for every pass"
+    else:
+        text = f"stock nn.Linear below {min_rows} rows, oneDNN-packed from {min_rows}"
+    padded = [f"{n} as {m}" for n, m in enumerate(pad) if m != n]
+    return text + (f"; passes of {', '.join(padded)} rows (cheaper)" if padded else "")
 
 
 def choose_forms(model, layers: list[PackedLinear], key: str, cache_file: Path) -> dict:
-    """Measure (or recall) which form is faster for which pass size and keep only what is used. Returns
-    {"min_rows", "linear_forms", "measured"}: the pass size from which packed weights run, in words, and the
-    timings behind it (None when recalled from the cache)."""
+    """Measure (or recall) which form is faster for which pass size, and which pass sizes run padded, and
+    keep only what is used. Returns {"min_rows", "pad", "linear_forms", "measured"}: the pass size from
+    which packed weights run, the padding table, both in words, and the timings behind them (None when
+    recalled from the cache)."""
     if not layers:
-        return {"min_rows": None, "linear_forms": "stock nn.Linear (not packed here)", "measured": None}
-    key = f"{key}|{cpu_id()}|{torch.get_num_threads()} threads|torch {torch.__version__}"
+        return {"min_rows": None, "pad": (), "linear_forms": "stock nn.Linear (not packed here)", "measured": None}
+    key = f"{key}|{cpu_id()}|{torch.get_num_threads()} threads|torch {torch.__version__}|forms v{FORMS_VERSION}"
     known = _read(cache_file)
     measured = None
     if mode() == "1":
-        min_rows = 1
-    elif key in known:
-        min_rows = known[key]
+        min_rows, pad = 1, ()
+    elif isinstance(known.get(key), dict):
+        min_rows, pad = known[key]["min_rows"], tuple(known[key]["pad"])
     else:
         with torch.inference_mode():
             for layer in layers:
@@ -182,14 +210,20 @@ def choose_forms(model, layers: list[PackedLinear], key: str, cache_file: Path) 
             for layer in layers:
                 layer.min_rows = 1
             packed = time_passes(model, ROWS)
-        min_rows = _decide(stock, packed)
-        measured = {"stock_s": stock, "packed_s": packed}
-        if 1 < min_rows < NEVER and _second_copy_too_big(layers):
-            min_rows = 1 if packed[1] < stock[1] else NEVER  # one form only: the baseline's fastest
-        _write(cache_file, dict(list(known.items())[-255:]) | {key: min_rows})  # the latest 256 choices
+            min_rows = _decide(stock, packed)
+            if 1 < min_rows < NEVER and _second_copy_too_big(layers):
+                min_rows = 1 if packed[1] < stock[1] else NEVER  # one form only: the baseline's fastest
+            for layer in layers:
+                layer.min_rows = min_rows
+            each = time_passes(model, tuple(range(1, PAD_ROWS + 1)))
+        pad = _pad_table(each)
+        measured = {"stock_s": stock, "packed_s": packed, "rows_s": each}
+        entry = {"min_rows": min_rows, "pad": list(pad)}
+        _write(cache_file, dict(list(known.items())[-255:]) | {key: entry})  # the latest 256 choices
     for layer in layers:
         layer.keep_only(min_rows)
-    return {"min_rows": min_rows, "linear_forms": describe(min_rows), "measured": measured}
+        layer.pad = pad
+    return {"min_rows": min_rows, "pad": pad, "linear_forms": describe(min_rows, pad), "measured": measured}
 
 
 def _second_copy_too_big(layers: list[PackedLinear]) -> bool:

@@ -194,7 +194,7 @@ class LoadedModel:
 
     @functools.cached_property
     def verify_costs(self) -> list[float]:
-        """Measured once per load (about 2 s on a 2-core CPU): see runtime.measure_verify_costs."""
+        """Measured once per load (about 3 s on a 2-core CPU): see runtime.measure_verify_costs."""
         with torch.inference_mode():
             return measure_verify_costs(self.model, MAX_GAMMA)
 
