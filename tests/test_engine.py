@@ -319,7 +319,7 @@ def test_linear_forms_follow_the_measurements_and_are_measured_once(llama_pair, 
     file = tmp_path / "forms.json"
     first = cpu.choose_forms(model, cpu.pack_linears(model), "tiny|float32", file)
     assert first["measured"] is not None and set(first["measured"]["stock_s"]) == set(rows)
-    assert first["linear_forms"] == cpu.describe(first["min_rows"])
+    assert first["linear_forms"] == cpu.describe(first["min_rows"], first["pad"])
     again = copy.deepcopy(llama_pair[0])
     layers = cpu.pack_linears(again)
     second = cpu.choose_forms(again, layers, "tiny|float32", file)
