@@ -154,6 +154,7 @@ class Live:
             done.speedup if done else None,
             stopped=bool(done and done.stopped),
             suspect=done.suspect if done else None,
+            environment=done.environment if done else None,
         )
         figure = charts.as_plot(charts.live_figure(base, spec)) if chart else gr.skip()
         return self.status_line(), base_pane, spec_pane, summary, figure

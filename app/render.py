@@ -140,11 +140,28 @@ def verdict_badge(identical: bool | None, stopped: bool = False) -> str:
     )
 
 
+def environment_line(env: dict | None) -> str:
+    """Where the numbers were measured, in one line: the device, threads, dtype, which linear-layer forms ran
+    (engine.cpu) and the software. Numbers from another machine or form are other numbers."""
+    if not env:
+        return ""
+    threads = env.get("cpu_threads") or env.get("threads")
+    parts = [
+        env.get("device_name", "") + (f", {threads} threads" if threads and env.get("device") != "cuda" else ""),
+        env.get("dtype", ""),
+        f"linears: {env['linear_forms']}" if env.get("linear_forms") else "",
+        *(f"{name} {env[key]}" for key, name in (("torch", "torch"), ("transformers", "transformers"),
+                                                 ("vllm", "vLLM"), ("llama_cpp", "llama.cpp build")) if env.get(key)),
+    ]  # fmt: skip
+    return f'<div class="sa-env">measured on {escape(" · ".join(p for p in parts if p))}</div>'
+
+
 def summary(
     base: Metrics | None, spec: Metrics | None, identical: bool | None, speedup: float | None, stopped: bool = False,
-    suspect: list[str] | None = None,
+    suspect: list[str] | None = None, environment: dict | None = None,
 ) -> str:  # fmt: skip
-    """The verdict badge and the cards. A suspect run shows why instead of its speedup."""
+    """The verdict badge, the cards and where they were measured. A suspect run shows why instead of its
+    speedup."""
     if stopped:
         return f'<div class="sa-summary">{verdict_badge(None, stopped=True)}</div>'
     if base is None or spec is None:
@@ -174,7 +191,10 @@ def summary(
             + ". Run it again to see what this machine does.</div>"
         )
     cards_html = "".join(cards)
-    return f'<div class="sa-summary">{verdict_badge(identical)}{doubt}<div class="sa-cards">{cards_html}</div></div>'
+    return (
+        f'<div class="sa-summary">{verdict_badge(identical)}{doubt}<div class="sa-cards">{cards_html}</div>'
+        f"{environment_line(environment)}</div>"
+    )
 
 
 def field_id(name: str) -> str:

@@ -57,6 +57,9 @@ def test_compare_streams_and_ends_with_a_lossless_result(model_dirs):
     assert result["speculative"]["metrics"]["new_tokens"] == 30
     assert "sa-acc" in spec_pane and ("sa-cor" in spec_pane or "sa-bon" in spec_pane)
     assert "outputs identical" in summary
+    # where it was measured, from the run's own environment: device, dtype, the linear forms that ran
+    env = result["environment"]
+    assert f"measured on {env['device_name']}" in summary and f"linears: {env['linear_forms']}" in summary
     assert status.startswith("run 1 · done in ") and error == ""
     assert len(history) == 1 and history[0][1].startswith("done") and history[0][2] == model_dirs["target"]
     figure = json.loads(chart.plot)

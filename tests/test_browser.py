@@ -85,6 +85,7 @@ def test_a_run_renders_everything_and_clear_resets_it(page):
     wait_status(page, "run 1", "done in")
     page.wait_for_selector("#summary .sa-badge")
     assert "outputs identical" in page.inner_text("#summary")
+    assert "linears: " in page.inner_text("#summary .sa-env")  # which forms ran, under the numbers
     assert page.locator("#spec-pane .sa-acc").count() > 0
     assert page.inner_text("#baseline-pane .sa-text").strip()
     assert "tok/s" in page.inner_text("#spec-pane .sa-stats")
