@@ -265,7 +265,8 @@ def versions(env: dict) -> str:
         return f"vLLM {env.get('vllm')}"
     if env.get("backend") == "llama.cpp":
         return f"llama.cpp {env.get('llama_cpp')}, {env.get('threads')} threads"
-    return f"torch {env['torch']}, transformers {env['transformers']}"
+    forms = f", linears: {env['linear_forms']}" if env.get("linear_forms") else ""
+    return f"torch {env['torch']}, transformers {env['transformers']}{forms}"
 
 
 def sweep_table(data: dict) -> str:
@@ -321,7 +322,7 @@ def hf_table(data: dict) -> str:
 
     env, s = data["environment"], data["settings"]
     lines = [f"{s['target']} on {env['device_name']} ({env['dtype']}), drafter {s['drafter']}, gamma {s['gamma']}, "
-             f"torch {env['torch']}, transformers {env['transformers']}",
+             f"{versions(env)}",
              "end-to-end tokens/s, median (min-max):"]  # fmt: skip
     lines += [f"  {name:18}{_spread(spread, '.1f')}" for name, spread in data["speeds"].items()]
     lines.append("ratios, median (min-max):")

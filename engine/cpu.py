@@ -138,7 +138,9 @@ def cpu_id() -> str:
 
 
 def time_passes(model, rows: tuple[int, ...], repeats: int = 3, context: int = 64) -> dict[int, float]:
-    """Best-of-`repeats` seconds of a forward pass of each row count, after a `context`-token prefix."""
+    """Best-of-`repeats` seconds of a forward pass of each row count, after a `context`-token prefix. The
+    sizes take turns, round after round (the first round warms them up), so that a burst of load from
+    elsewhere slows one round of every size rather than every try of one size."""
     from engine.runtime import Clock, forward, new_cache
 
     clock = Clock(model.device)
@@ -146,14 +148,15 @@ def time_passes(model, rows: tuple[int, ...], repeats: int = 3, context: int = 6
     cache = new_cache(model)
     vocab = model.config.get_text_config().vocab_size
     forward(model, [i % vocab for i in range(context)], cache, keep=1)
-    best = {}
-    for n in rows:
-        best[n] = float("inf")
-        for _ in range(repeats + 1):  # the first call of a size warms it up
+    best = dict.fromkeys(rows, float("inf"))
+    for round_ in range(repeats + 1):
+        for n in rows:
             start = clock.now()
             forward(model, [1] * n, cache)
-            best[n] = min(best[n], clock.now() - start)
+            took = clock.now() - start
             cache.crop(-n)
+            if round_:
+                best[n] = min(best[n], took)
     return best
 
 

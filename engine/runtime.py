@@ -99,17 +99,15 @@ def measure_verify_costs(model, max_draft: int, repeats: int = 2, context: int =
     vocab = model.config.get_text_config().vocab_size
     forward(model, [i % vocab for i in range(context)], cache, keep=1)
     sizes = range(max_draft + 1)
-    timed = {}
-    for k in sizes:
-        best = float("inf")
-        for i in range(untimed + repeats):
+    timed = dict.fromkeys(sizes, float("inf"))
+    for round_ in range(untimed + repeats):  # sizes take turns: a burst of load slows a round, not a size
+        for k in sizes:
             start = clock.now()
             forward(model, [1] * (k + 1), cache)
             took = clock.now() - start
             cache.crop(-(k + 1))
-            if i >= untimed:
-                best = min(best, took)
-        timed[k] = best
+            if round_ >= untimed:
+                timed[k] = min(timed[k], took)
     costs = []
     for k in sizes:
         costs.append(max(timed[k] / timed[0], costs[-1] if costs else 1.0))
