@@ -11,8 +11,8 @@ each form at 1, 2, 3, 5, 9 and 17 rows, and every layer then runs the packed wei
 size from which packed wins at every size measured, the stock GEMM below it. A form that never runs is
 freed; where both are kept and the second copy of the weights would take over a quarter of the free
 memory, the form fastest for one-token passes (the baseline's) serves every pass. The choice is cached per
-model, dtype, CPU, thread count and torch version, so it is measured once. Baseline and speculative runs
-use the same layers, so a pass of a given size runs the same form in both.
+architecture and sizes (not path), dtype, CPU, thread count and torch version, so it is measured once.
+Baseline and speculative runs use the same layers, so a pass of a given size runs the same form in both.
 
 Within a form, a pass is not always cheaper for having fewer rows: on an AMD EPYC (AVX512) a two-row pass of
 the bundled model took ~45 ms and a three-row pass ~40 ms, the same as one row (oneDNN picks its kernel by
@@ -135,6 +135,15 @@ def cpu_id() -> str:
     (a binary built with -march=native on one may not even start on another of the same name)."""
     digest = hashlib.sha1(_cpuinfo_field("flags").encode()).hexdigest()[:8]
     return f"{cpu_name()} {digest}"
+
+
+def shape_key(model) -> str:
+    """What pass timings depend on: the architecture and its sizes, not where the weights came from. The same
+    model from another folder or revision, or a test's fresh random model, recalls the same choice."""
+    cfg = model.config.get_text_config()
+    names = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "vocab_size")  # fmt: skip
+    return f"{type(model).__name__} " + "/".join(str(getattr(cfg, name, "-")) for name in names)
 
 
 def time_passes(model, rows: tuple[int, ...], repeats: int = 3, context: int = 64) -> dict[int, float]:

@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from engine import random_models
-from engine.cpu import NEVER, choose_forms, pack_linears, time_passes
+from engine.cpu import NEVER, choose_forms, pack_linears, shape_key, time_passes
 from engine.errors import OutOfMemory, UserError
 from engine.runtime import compile_decoding, measure_verify_costs
 from engine.settings import BUNDLED, MAX_GAMMA
@@ -339,7 +339,7 @@ def _load(
         layers = pack_linears(model) if pack else []
         if layers:
             progress(f"timing {source.spec}'s linear layers, stock and packed (once per model and CPU)")
-        forms = choose_forms(model, layers, f"{source.spec}|{dtype}", cache_dir() / "cpu-forms.json")
+        forms = choose_forms(model, layers, f"{shape_key(model)}|{dtype}", cache_dir() / "cpu-forms.json")
     packed = 0 if forms["min_rows"] in (None, NEVER) else len(layers)
     with torch.inference_mode():  # what one decode step costs right now: the yardstick for suspect runs
         step_s = time_passes(model, (1,))[1]
