@@ -338,7 +338,7 @@ def _load(
     if device.type == "cpu":
         layers = pack_linears(model) if pack else []
         if layers:
-            progress(f"timing {source.spec}'s linear layers, stock and packed (once per model and CPU)")
+            progress(f"timing {source.spec}'s linear layers, stock, packed and padded (once per architecture and CPU)")
         forms = choose_forms(model, layers, f"{shape_key(model)}|{dtype}", cache_dir() / "cpu-forms.json")
     packed = 0 if forms["min_rows"] in (None, NEVER) else len(layers)
     with torch.inference_mode():  # what one decode step costs right now: the yardstick for suspect runs
