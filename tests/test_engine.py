@@ -253,6 +253,18 @@ def test_adaptive_gamma_changes_draft_length_and_stays_lossless(llama_pair):
         assert len({len(s.drafted) for s in steps[1:] if s.drafted}) > 1
 
 
+def test_verify_costs_fit_a_short_context():
+    """Costs are timed after a prompt-sized prefix; a model with learned positions and a short context gets
+    a shorter one instead of an index error."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=384, n_embd=32, n_layer=1, n_head=2, n_positions=40)).eval()
+    with torch.inference_mode():
+        costs = measure_verify_costs(model, 16)
+    assert len(costs) == 17 and costs[0] == 1.0 and costs == sorted(costs)
+
+
 def test_packed_cpu_linears_match_stock_layers(model_dirs, llama_pair, monkeypatch):
     from engine.cpu import PackedLinear
     from engine.models import ModelCache
