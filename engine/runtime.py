@@ -86,15 +86,17 @@ def forward(model, token_ids: list[int], cache, keep: int = 0) -> torch.Tensor:
     return logits[n - keep :].clone() if keep else logits.clone()  # a CUDA graph reuses its output buffer
 
 
-def measure_verify_costs(model, max_draft: int, repeats: int = 3, context: int = 160) -> list[float]:
+def measure_verify_costs(model, max_draft: int, repeats: int = 2, context: int = 64) -> list[float]:
     """costs[k]: the time of the target pass that verifies a k-token draft (k + 1 tokens) over a one-token
     pass, for k = 0..max_draft, on this model and device. Timed at every k (best of `repeats`) after a
-    `context`-token prefix, about a prompt and its answer (longer passes cost relatively more as the context
-    grows: 17 tokens took 1.38 one-token passes after 64 tokens, 1.53 after 160), and kept non-decreasing: a
-    longer pass never costs less, whatever the noise says (a pass size that is dearer than a longer one runs
-    padded to it on CPU: engine.cpu). Every k, not a few points: costs do not grow smoothly (a two-row pass
-    once cost ~12% more than a three-row one). A compiled model runs each size twice first: the first call
-    compiles, the second records the CUDA graph."""
+    `context`-token prefix, and kept non-decreasing: a longer pass never costs less, whatever the noise says
+    (a pass size that is dearer than a longer one runs padded to it on CPU: engine.cpu). Every k, not a few
+    points: costs do not grow smoothly (a two-row pass once cost ~12% more than a three-row one). A compiled
+    model runs each size twice first: the first call compiles, the second records the CUDA graph.
+
+    Longer passes cost relatively more as the context grows (17 tokens: 1.38 one-token passes after 64
+    tokens, 1.53 after 160), but costs timed after 160 tokens did not make adaptive prompt lookup faster on
+    the rewrite + summarise prompts (2.62x, 2.32x, 2.28x against 2.44x, 2.37x, 2.41x), so 64 it is."""
     clock = Clock(model.device)
     untimed = 2 if getattr(model, "compiled_step", None) is not None else 0
     text = model.config.get_text_config()
