@@ -146,29 +146,6 @@ def shape_key(model) -> str:
     return f"{type(model).__name__} " + "/".join(str(getattr(cfg, name, "-")) for name in names)
 
 
-def time_passes(model, rows: tuple[int, ...], repeats: int = 3, context: int = 64) -> dict[int, float]:
-    """Best-of-`repeats` seconds of a forward pass of each row count, after a `context`-token prefix. The
-    sizes take turns, round after round (the first round warms them up), so that a burst of load from
-    elsewhere slows one round of every size rather than every try of one size."""
-    from engine.runtime import Clock, forward, new_cache
-
-    clock = Clock(model.device)
-
-    cache = new_cache(model)
-    vocab = model.config.get_text_config().vocab_size
-    forward(model, [i % vocab for i in range(context)], cache, keep=1)
-    best = dict.fromkeys(rows, float("inf"))
-    for round_ in range(repeats + 1):
-        for n in rows:
-            start = clock.now()
-            forward(model, [1] * n, cache)
-            took = clock.now() - start
-            cache.crop(-n)
-            if round_:
-                best[n] = min(best[n], took)
-    return best
-
-
 def _decide(stock: dict[int, float], packed: dict[int, float]) -> int:
     """The smallest measured pass size from which packed wins at every larger size; NEVER if it never does."""
     min_rows = NEVER
@@ -208,11 +185,13 @@ def choose_forms(model, layers: list[PackedLinear], key: str, cache_file: Path) 
     if not layers:
         return {"min_rows": None, "pad": (), "linear_forms": "stock nn.Linear (not packed here)", "measured": None}
     key = f"{key}|{cpu_id()}|{torch.get_num_threads()} threads|torch {torch.__version__}|forms v{FORMS_VERSION}"
+    from engine.runtime import time_passes
+
     known = _read(cache_file)
     measured = None
     if mode() == "1":
         min_rows, pad = 1, ()
-    elif isinstance(known.get(key), dict):
+    elif key in known:
         min_rows, pad = known[key]["min_rows"], tuple(known[key]["pad"])
     else:
         with torch.inference_mode():

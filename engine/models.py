@@ -30,9 +30,9 @@ from typing import Callable
 import torch
 
 from engine import random_models
-from engine.cpu import NEVER, choose_forms, pack_linears, shape_key, time_passes
+from engine.cpu import NEVER, choose_forms, pack_linears, shape_key
 from engine.errors import OutOfMemory, UserError
-from engine.runtime import compile_decoding, measure_verify_costs
+from engine.runtime import compile_decoding, measure_verify_costs, time_passes
 from engine.settings import BUNDLED, MAX_GAMMA
 from engine.sizing import context_length
 

@@ -86,6 +86,30 @@ def forward(model, token_ids: list[int], cache, keep: int = 0) -> torch.Tensor:
     return logits[n - keep :].clone() if keep else logits.clone()  # a CUDA graph reuses its output buffer
 
 
+def time_passes(model, rows, repeats: int = 3, context: int = 64, warmup: int = 1) -> dict[int, float]:
+    """Best-of-`repeats` seconds of a forward pass of each row count, after a `context`-token prefix (shorter
+    where the model's positions end before the prefix and the longest pass). The sizes take turns, round
+    after round, the first `warmup` rounds untimed, so that a burst of load from elsewhere slows one round of
+    every size rather than every try of one size."""
+    clock = Clock(model.device)
+    text = model.config.get_text_config()
+    limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    if limit:  # a model with a short context (learned positions) cannot take the prefix and the pass
+        context = max(1, min(context, limit - max(rows)))
+    cache = new_cache(model, context + max(rows), role="measure")
+    forward(model, [i % text.vocab_size for i in range(context)], cache, keep=1)
+    best = dict.fromkeys(rows, float("inf"))
+    for round_ in range(warmup + repeats):
+        for n in rows:
+            start = clock.now()
+            forward(model, [1] * n, cache)
+            took = clock.now() - start
+            cache.crop(-n)
+            if round_ >= warmup:
+                best[n] = min(best[n], took)
+    return best
+
+
 def measure_verify_costs(model, max_draft: int, repeats: int = 2, context: int = 64) -> list[float]:
     """costs[k]: the time of the target pass that verifies a k-token draft (k + 1 tokens) over a one-token
     pass, for k = 0..max_draft, on this model and device. Timed at every k (best of `repeats`) after a
@@ -97,28 +121,11 @@ def measure_verify_costs(model, max_draft: int, repeats: int = 2, context: int =
     Longer passes cost relatively more as the context grows (17 tokens: 1.38 one-token passes after 64
     tokens, 1.53 after 160), but costs timed after 160 tokens did not make adaptive prompt lookup faster on
     the rewrite + summarise prompts (2.62x, 2.32x, 2.28x against 2.44x, 2.37x, 2.41x), so 64 it is."""
-    clock = Clock(model.device)
     untimed = 2 if getattr(model, "compiled_step", None) is not None else 0
-    text = model.config.get_text_config()
-    limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
-    if limit:  # a model with a short context (learned positions) cannot take the prefix and the pass
-        context = max(1, min(context, limit - max_draft - 1))
-    cache = new_cache(model, context + max_draft + 1, role="measure")
-    vocab = text.vocab_size
-    forward(model, [i % vocab for i in range(context)], cache, keep=1)
-    sizes = range(max_draft + 1)
-    timed = dict.fromkeys(sizes, float("inf"))
-    for round_ in range(untimed + repeats):  # sizes take turns: a burst of load slows a round, not a size
-        for k in sizes:
-            start = clock.now()
-            forward(model, [1] * (k + 1), cache)
-            took = clock.now() - start
-            cache.crop(-(k + 1))
-            if round_ >= untimed:
-                timed[k] = min(timed[k], took)
+    timed = time_passes(model, range(1, max_draft + 2), repeats, context, warmup=untimed)
     costs = []
-    for k in sizes:
-        costs.append(max(timed[k] / timed[0], costs[-1] if costs else 1.0))
+    for n in timed:
+        costs.append(max(timed[n] / timed[1], costs[-1] if costs else 1.0))
     return costs
 
 
