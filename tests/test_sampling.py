@@ -117,6 +117,14 @@ def assert_both_exact(spec, base, exact) -> None:
         assert_matches(base[i], exact[i], slack=0.01)
 
 
+def sampled_exactly(target, make_drafter, gamma, cfg, prompt, length) -> tuple[int, int]:
+    """Sample speculative and baseline runs, hold both to the exact marginals; return (accepted, drafted)."""
+    exact = exact_marginals(target, prompt, cfg, length)
+    spec, base, accepted, drafted = sampled_counts(target, make_drafter, gamma, cfg, prompt, length)
+    assert_both_exact(spec, base, exact)
+    return accepted, drafted
+
+
 def sampled_counts(target, make_drafter, gamma, cfg, prompt, length, runs=1500):
     """Token counts per position over `runs` seeds, speculative and baseline, and (accepted, drafted)."""
     tok, vocab = LetterTokenizer(), target.config.vocab_size
@@ -141,22 +149,17 @@ def sampled_counts(target, make_drafter, gamma, cfg, prompt, length, runs=1500):
 def test_sampled_speculative_run_matches_target_distribution(cfg):
     target = tiny_llama(vocab_size=8, layers=1, seed=5)
     draft = noisy_copy(target, scale=0.8, seed=6)
-    prompt, length = [1, 2, 3], 3
-    exact = exact_marginals(target, prompt, cfg, length)
-    spec, base, accepted, drafted = sampled_counts(target, lambda: DraftModel(draft, 8), 2, cfg, prompt, length)
+    accepted, drafted = sampled_exactly(target, lambda: DraftModel(draft, 8), 2, cfg, [1, 2, 3], 3)
     assert 0.2 < accepted / drafted < 0.95  # both branches of the rule were exercised
-    assert_both_exact(spec, base, exact)
 
 
 def test_prompt_lookup_sizing_its_own_drafts_keeps_the_target_distribution():
     """Draft lengths chosen from what held so far depend on the past only, so sampling stays exact."""
     target = tiny_llama(vocab_size=8, layers=1, seed=5)
     cfg, prompt, length = SamplingConfig(temperature=1.0), [1, 2, 3, 1, 2, 4, 1, 2], 4
-    exact = exact_marginals(target, prompt, cfg, length)
     costs = [1.0] + [1.3] * 4
-    spec, base, accepted, drafted = sampled_counts(target, lambda: PromptLookup(2, costs=costs), 4, cfg, prompt, length)
+    accepted, drafted = sampled_exactly(target, lambda: PromptLookup(2, costs=costs), 4, cfg, prompt, length)
     assert 0 < accepted < drafted
-    assert_both_exact(spec, base, exact)
 
 
 def test_confidence_stopped_drafts_keep_the_target_distribution():
@@ -164,21 +167,16 @@ def test_confidence_stopped_drafts_keep_the_target_distribution():
     target = tiny_llama(vocab_size=8, layers=1, seed=5)
     draft = noisy_copy(target, scale=0.8, seed=6)
     cfg, prompt, length = SamplingConfig(temperature=1.0), [1, 2, 3], 3
-    exact = exact_marginals(target, prompt, cfg, length)
     full = sampled_counts(target, lambda: DraftModel(draft, 8), 3, cfg, prompt, length, runs=300)
-    spec, base, accepted, drafted = sampled_counts(target, lambda: DraftModel(draft, 8, p_min=0.4), 3, cfg, prompt,
-                                                   length)  # fmt: skip
+    accepted, drafted = sampled_exactly(target, lambda: DraftModel(draft, 8, p_min=0.4), 3, cfg, prompt, length)
     assert 0 < accepted < drafted
     assert drafted / 1500 < full[3] / 300  # the stop drafted fewer tokens per run
-    assert_both_exact(spec, base, exact)
 
 
 def test_suffix_drafts_from_session_memory_keep_the_target_distribution():
     from engine.suffix import SuffixDrafter, SuffixMemory
 
     target = tiny_llama(vocab_size=8, layers=1, seed=5)
-    cfg, prompt, length = SamplingConfig(temperature=1.0), [1, 2, 3], 4
-    exact = exact_marginals(target, prompt, cfg, length)
     memory = SuffixMemory()
     memory.begin((7,), [4, 1, 2, 3, 5, 6, 7, 5, 6, 4, 3, 5, 6, 7])  # another prompt's text
 
@@ -186,9 +184,8 @@ def test_suffix_drafts_from_session_memory_keep_the_target_distribution():
         memory.begin((0,), [0])  # a run starts: nothing of earlier runs of this prompt may be used
         return SuffixDrafter(memory, 3)
 
-    spec, base, accepted, drafted = sampled_counts(target, drafter, 3, cfg, prompt, length)
+    accepted, drafted = sampled_exactly(target, drafter, 3, SamplingConfig(temperature=1.0), [1, 2, 3], 4)
     assert 0 < accepted < drafted
-    assert_both_exact(spec, base, exact)
 
 
 def test_drafts_from_another_tokenizer_keep_the_target_distribution():
@@ -197,13 +194,10 @@ def test_drafts_from_another_tokenizer_keep_the_target_distribution():
 
     target = tiny_llama(vocab_size=8, layers=1, seed=5)
     draft = noisy_copy(target, scale=0.8, seed=6)
-    cfg, prompt, length = SamplingConfig(temperature=1.0), [1, 2, 3], 3
-    exact = exact_marginals(target, prompt, cfg, length)
     # the draft reads the same letters under other ids: its weights are the copy's, rows reversed to match
     with torch.no_grad():
         draft.model.embed_tokens.weight.copy_(draft.model.embed_tokens.weight.flip(0))
         draft.lm_head.weight.copy_(draft.lm_head.weight.flip(0))
     make = lambda: CrossTokenizerDraft(draft, LetterTokenizer(reverse=True), LetterTokenizer(), gamma=2)  # noqa: E731
-    spec, base, accepted, drafted = sampled_counts(target, make, 2, cfg, prompt, length)
+    accepted, drafted = sampled_exactly(target, make, 2, SamplingConfig(temperature=1.0), [1, 2, 3], 3)
     assert 0.05 < accepted / drafted < 0.95  # argmax drafts against a sampled target: both branches exercised
-    assert_both_exact(spec, base, exact)
