@@ -48,7 +48,9 @@ class OtherLoad:
         busy0, own0, t0 = self.start
         busy1, own1, t1 = self._read()
         capacity = max(t1 - t0, 1e-6) * (psutil.cpu_count() or 1)
-        return max(0.0, (busy1 - busy0) - (own1 - own0)) / capacity
+        # CPU times move in clock ticks (10 ms): over a short window a tick of other work reads as more than
+        # every CPU could do, so the share is held to what it means, 0 to 1
+        return min(1.0, max(0.0, (busy1 - busy0) - (own1 - own0)) / capacity)
 
 
 class RecentSpeeds:
