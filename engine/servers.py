@@ -12,6 +12,7 @@ import atexit
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -61,8 +62,30 @@ def failure(engine: str, role: str, url: str | None, exc: Exception) -> UserErro
         body = exc.read().decode(errors="replace")[:500]
         return UserError(f"the {engine} {role} server refused the request ({exc.code}: {body}).")
     if server is not None and not server.alive():
-        return UserError(f"the {engine} {role} server died during the run. The end of its log:\n{server.tail()}")
+        return server.died(f"the {engine} {role} server died during the run")
     return UserError(f"the {engine} {role} server at {url} stopped answering ({exc}).")
+
+
+def exit_words(code: int | None) -> str:
+    """A process's end in words: a signal by its name (the guardian exits 128 + N for signal N, as shells do)."""
+    if code is None:
+        return "is still running"
+    number = -code if code < 0 else code - 128 if code > 128 else 0
+    if number:
+        try:
+            return f"was killed by signal {number} ({signal.Signals(number).name})"
+        except ValueError:
+            pass
+    return f"exited with code {code}"
+
+
+def last_error(log: str) -> str:
+    """The line of a log most likely to say why a server stopped: a Python exception's last line (vLLM), else the
+    first error line (llama.cpp logs its cause, then the consequences), else the last line."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    raised = [line for line in lines if re.match(r"^[\w.]+(Error|Exception): ", line)]
+    errors = [line for line in lines if re.search(r" E |error|fatal|failed|couldn't|cannot", line, re.IGNORECASE)]
+    return (raised[-1:] or errors[:1] or lines[-1:] or [""])[0][:300]
 
 
 def sse(response, last, fail):
@@ -86,11 +109,15 @@ def sse(response, last, fail):
 
 
 class Server:
-    """One engine server process: `command` must listen on `port`; `ready` is its health URL path."""
+    """One engine server process: `command` must listen on `port`; `ready` is its health URL path. `explain`,
+    given the exit code and the log of a server that ended, names the likely cause and the fix where the
+    engine knows one (None where it does not)."""
 
-    def __init__(self, name: str, command: list[str], port: int, ready: str, env: dict | None = None):
+    def __init__(self, name: str, command: list[str], port: int, ready: str, env: dict | None = None,
+                 explain=lambda code, log: None):  # fmt: skip
         self.name, self.command, self.port, self.ready = name, command, port, ready
         self.env = env or {}
+        self.explain = explain
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = Path(tempfile.mkdtemp(prefix="specarena-server-")) / f"{name}.log"
         self.process: subprocess.Popen | None = None
@@ -108,15 +135,13 @@ class Server:
         deadline, said = time.monotonic() + timeout, 0.0
         while True:
             if self.process.poll() is not None:
-                raise UserError(f"{self.name} exited with code {self.process.returncode} while starting. "
-                                f"The end of its log:\n{self.tail()}")  # fmt: skip
+                raise self.died(f"{self.name} {exit_words(self.process.returncode)} while starting")
             if self.healthy():
                 return self
             if time.monotonic() > deadline:
                 self.stop()
-                raise UserError(
-                    f"{self.name} did not answer within {timeout:.0f} s. The end of its log:\n{self.tail()}"
-                )
+                raise UserError(f"{self.name} did not answer within {timeout:.0f} s (its log: {self.log_path}).",
+                                detail=self.tail())  # fmt: skip
             if time.monotonic() - said > 5:
                 said = time.monotonic()
                 progress(f"starting {self.name} (log: {self.log_path})")
@@ -128,6 +153,16 @@ class Server:
                 return response.status == 200
         except (OSError, urllib.error.URLError):
             return False
+
+    def died(self, what: str) -> UserError:
+        """A server that ended, in one sentence: what happened, why (the engine's explanation where it has one,
+        else its log's last error line) and where the log is; the end of the log as the detail."""
+        log = self.tail(200)
+        code = self.process.returncode if self.process is not None else None
+        cause = self.explain(code, log) or (f"it said: {last_error(log)}" if last_error(log) else "its log is empty")
+        if code is not None and what.endswith("during the run"):
+            what += f" ({exit_words(code)})"
+        return UserError(f"{what}; {cause} (its log: {self.log_path}).", detail=self.tail())
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None

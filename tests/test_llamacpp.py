@@ -175,11 +175,12 @@ def test_a_server_that_dies_mid_run_is_reported(server_binary):
 
     events = stream_compare(settings(max_new_tokens=1500, drafter="draft-model", draft="bundled"),
                             "Write a long story about the sea, with many chapters.")  # fmt: skip
-    with pytest.raises(UserError, match="llama-server speculative server died during the run. The end of its log"):
+    with pytest.raises(UserError, match="llama-server speculative server died during the run .*its log: ") as err:
         for event in events:
             if isinstance(event, Step) and event.mode == "speculative" and event.event.step == 2:
                 server = next(x for x in POOL.running() if x.name == "llama-server speculative")
                 os.killpg(server.process.pid, signal.SIGKILL)
+    assert err.value.detail  # the end of its log, for those who want it
 
 
 def test_bad_setups_get_clear_messages_and_leave_nothing_running(server_binary, monkeypatch, tmp_path):
@@ -194,8 +195,9 @@ def test_bad_setups_get_clear_messages_and_leave_nothing_running(server_binary, 
         open_backend(settings(target="org/name"))
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + b"\0" * 64)
-    with pytest.raises(UserError, match="(?s)exited with code .* while starting.*The end of its log"):
+    with pytest.raises(UserError, match=r"exited with code .* while starting; it said: .*\(its log: ") as err:
         open_backend(settings(target=str(broken)))
+    assert "\n" not in str(err.value) and err.value.detail  # one line, the log folded into the detail
     # a binary too old for today's flags
     old = tmp_path / "llama-server"
     old.write_text("#!/bin/sh\necho '--draft-max N  number of tokens to draft'\necho 'version: 4000 (abc)' >&2\n")
@@ -246,3 +248,55 @@ def test_a_crashed_app_leaves_no_llama_server_behind(server_binary):
         assert not any(answers(u) for u in urls)
     finally:
         proc.kill()
+
+
+CRASHING = """#!/bin/sh
+case "$1" in
+  --help) for flag in {flags}; do echo "$flag N"; done; exit 0;;
+  --version) echo "version: {build} (fake)"; exit 0;;
+esac
+echo "load_model: loading model"
+echo "init: llama threadpool init, n_threads = 2"
+kill -SEGV $$
+"""
+
+
+@pytest.fixture
+def crashing_binary(tmp_path, monkeypatch):
+    """A llama-server that dies as llama.cpp's AMX kernels do on the AMX Xeons seen here: SIGSEGV right after its
+    thread pool starts, on a CPU that has AMX."""
+    from engine import cpu
+
+    path = tmp_path / "llama-server"
+    path.write_text(CRASHING.format(flags=" ".join(llamacpp.NEEDED_FLAGS), build=llamacpp.BUILD))
+    path.chmod(0o755)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: {"avx2", "avx512f", "amx_tile", "amx_int8"})
+    monkeypatch.setenv("SPECARENA_CACHE", str(tmp_path / "cache"))
+    return path
+
+
+def test_a_build_that_cannot_generate_is_refused_and_not_cached(crashing_binary):
+    with pytest.raises(UserError, match=r"cannot generate on this CPU, so it was not cached: llama-server was killed "
+                       r"by signal 11 \(SIGSEGV\) while starting; .*AMX kernels.*--no-repack") as err:  # fmt: skip
+        llamacpp.install(crashing_binary, progress=lambda message: None)
+    assert "threadpool init" in err.value.detail
+    assert not llamacpp.cached_binary().exists() and not llamacpp.cached_binary().parent.exists()
+
+
+def test_a_named_binary_that_crashes_at_start_gets_the_cause_and_the_fix(crashing_binary, monkeypatch):
+    monkeypatch.setenv("SPECARENA_LLAMA_SERVER", str(crashing_binary))
+    with pytest.raises(UserError, match=r"llama-server baseline was killed by signal 11 \(SIGSEGV\) while starting; "
+                       r"it crashed at its first matrix product.*issue 20824.*build-llama-server.*--no-repack"):
+        open_backend(settings())
+    assert our_servers() == []
+
+
+def test_a_crash_on_a_cpu_without_amx_is_not_blamed_on_amx(crashing_binary, monkeypatch):
+    from engine import cpu
+
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: {"avx2"})
+    assert llamacpp.crash_cause(128 + 11, "init: llama threadpool init, n_threads = 2") is None
+    assert llamacpp.crash_cause(1, "error: failed to load model") is None
+    monkeypatch.setenv("SPECARENA_LLAMA_SERVER", str(crashing_binary))
+    with pytest.raises(UserError, match=r"killed by signal 11 \(SIGSEGV\) while starting; it said: .*threadpool init"):
+        open_backend(settings())

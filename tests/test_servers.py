@@ -65,3 +65,14 @@ def test_a_crashed_app_leaves_no_server_behind(tmp_path):
         assert not answers(port)
     finally:
         proc.kill()
+
+
+def test_a_server_killed_by_a_signal_is_reported_by_its_name_in_one_line():
+    """The guardian exits 128 + N for a command killed by signal N, as shells do (a negative code used to reach
+    the app as 256 - N: 'code 245' for a SIGSEGV)."""
+    command = [sys.executable, "-c", "import os, signal; print('warming up'); os.kill(os.getpid(), signal.SIGSEGV)"]
+    with pytest.raises(UserError) as err:
+        Server("engine", command, free_port(), "/").start(timeout=30)
+    message = str(err.value)
+    assert message.startswith("engine was killed by signal 11 (SIGSEGV) while starting; it said: warming up (its log")
+    assert "\n" not in message and "warming up" in err.value.detail

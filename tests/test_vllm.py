@@ -137,7 +137,7 @@ def test_a_server_that_dies_mid_run_is_reported(vllm_python):
     from engine.events import Step
 
     events = stream_compare(settings(max_new_tokens=400), "Write a long story about the sea.")
-    with pytest.raises(UserError, match="vLLM speculative server died during the run. The end of its log"):
+    with pytest.raises(UserError, match="vLLM speculative server died during the run .*its log: "):
         for event in events:
             if isinstance(event, Step) and event.mode == "speculative" and event.event.step == 2:
                 server = next(x for x in POOL.running() if x.name == "vLLM speculative")
