@@ -13,6 +13,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # works offline; sen
 
 from app.layout import CSS, THEME, build_demo, quiet_queue  # noqa: E402 - after the environment is set
 from engine.models import BUNDLED, MODELS  # noqa: E402
+from engine.worker import ENGINE  # noqa: E402
 
 demo = build_demo()
 demo.queue(max_size=int(os.environ.get("SPECARENA_QUEUE_SIZE", "16")))
@@ -21,7 +22,7 @@ quiet_queue(demo)
 
 def preload() -> None:
     try:
-        MODELS.get(BUNDLED)
+        ENGINE.call(MODELS.get, BUNDLED)  # on the engine thread, where every run's torch work goes
     except Exception as exc:  # noqa: BLE001 - the UI reports load errors at run time
         print(f"preloading {BUNDLED} failed: {exc}")
 

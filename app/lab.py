@@ -22,6 +22,7 @@ from engine.bench import Stopped, sweep
 from engine.errors import UserError
 from engine.load import load_curve
 from engine.settings import Settings
+from engine.worker import ENGINE
 
 log = logging.getLogger("specarena")
 GAMMAS = [1, 2, 3, 4, 5, 6, 8, 12, 16]
@@ -226,8 +227,8 @@ def run_sweep(
     stop = STOPS.start(session)
     try:
         report_progress = lambda done, total, what: progress((done, total), desc=what)  # noqa: E731
-        data = sweep(base, prompts, sorted(int(g) for g in gammas), temps, list(drafters), int(repeats),
-                     report_progress, stop, p_mins=stops)  # fmt: skip
+        data = ENGINE.call(sweep, base, prompts, sorted(int(g) for g in gammas), temps, list(drafters),
+                           int(repeats), report_progress, stop, p_mins=stops)  # fmt: skip
         best = report.best_setting(data)
         if levels and best:
             under_load = replace(base, **{k: best[k] for k in ("drafter", "gamma", "temperature", "p_min")})

@@ -325,6 +325,9 @@ def hf_table(data: dict) -> str:
              f"{versions(env)}",
              "end-to-end tokens/s, median (min-max):"]  # fmt: skip
     lines += [f"  {name:18}{_spread(spread, '.1f')}" for name, spread in data["speeds"].items()]
+    lines.append("per token outside the target's forward passes (the loop's own time), ms, median (min-max):")
+    lines += [f"  {name:18}{_spread({k: v if k == 'n' or v is None else v * 1000 for k, v in spread.items()}, '.2f')}"
+              for name, spread in data["outside_forward_s"].items()]  # fmt: skip
     lines.append("ratios, median (min-max):")
     lines += [f"  {name:28}{_spread(spread, '.2f')}" for name, spread in data["ratios"].items()]
     ratio = median_of(data, "speedup_ratio_ours_over_hf")
@@ -373,10 +376,16 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    from engine.worker import ENGINE
+
     try:
+        if args.command == "bench":  # all of a benchmark's torch work on one thread (engine.worker)
+            return ENGINE.call(COMMANDS[args.command], args)
         return COMMANDS[args.command](args)
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        if exc.detail:
+            print("\n".join("  " + line for line in exc.detail.splitlines()), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

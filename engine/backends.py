@@ -25,6 +25,7 @@ from engine.models import MODELS, LoadedModel, free_memory, resolve_device
 from engine.runtime import encode_prompt, eos_ids
 from engine.settings import MAX_GAMMA, Settings
 from engine.speculative import speculative_decode
+from engine.worker import ENGINE
 
 
 @dataclass
@@ -48,26 +49,22 @@ def guarded():
 
 
 def in_thread(work) -> Generator[Status, None, object]:
-    """Run work(say) in a worker thread, yielding what it says as Status events while it runs, and return
-    its result (or raise its error here). Loading a model or starting a server takes a while, and what it
-    reports (a download's progress, a server's log) should reach the caller as it happens."""
+    """Run work(say) on the engine thread (engine.worker), yielding what it says as Status events while it runs,
+    and return its result (or raise its error here). Loading a model or starting a server takes a while, and
+    what it reports (a download's progress, a server's log) should reach the caller as it happens. On the
+    engine thread itself (a benchmark runs whole there) the work runs inline and its messages follow it."""
+    if ENGINE.on_it():
+        said: list[str] = []
+        value = work(said.append)
+        for message in said:
+            yield Status(message)
+        return value
     messages: queue.Queue = queue.Queue()
-    box: dict = {}
-
-    def run():
-        try:
-            box["value"] = work(messages.put)
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread below
-            box["error"] = exc
-        finally:
-            messages.put(None)
-
-    threading.Thread(target=run, daemon=True).start()
+    job = ENGINE.submit(work, messages.put)
+    job.add_done_callback(lambda _: messages.put(None))
     while (message := messages.get()) is not None:
         yield Status(message)
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    return job.result()
 
 
 def _load(spec: str, s: Settings, loaded: list[str]) -> Generator[Status, None, LoadedModel]:
@@ -136,7 +133,7 @@ class Transformers:
             "python": platform.python_version(),
             "device": str(device),
             "device_name": name,
-            "cpu_threads": torch.get_num_threads(),
+            "cpu_threads": ENGINE.call(torch.get_num_threads),  # the engine thread's OpenMP team
             "dtype": str(target.dtype).replace("torch.", ""),
             "linear_forms": target.linear_forms,
             "draft_tokenizer": None if self.pair.draft is None else "same ids" if self.pair.same_ids else
@@ -162,17 +159,24 @@ class Transformers:
         return self.pair.target.tokenizer.decode(ids, skip_special_tokens=True)
 
     def baseline(self, ids: list[int], s: Settings, stop: threading.Event | None = None) -> Iterator[StepEvent]:
+        """The loop runs on the engine thread (engine.worker), one step per next()."""
         model, tok = self.pair.target.model, self.pair.target.tokenizer
-        return baseline_decode(model, tok, ids, s.sampling, s.max_new_tokens, eos_ids(model, tok), stop)
+        return ENGINE.iterate(baseline_decode(model, tok, ids, s.sampling, s.max_new_tokens, eos_ids(model, tok),
+                                              stop))  # fmt: skip
 
     def speculative(
         self, ids: list[int], s: Settings, reference: list[int], stop: threading.Event | None = None
     ) -> Iterator[StepEvent]:
-        """`reference` is the target's own continuation, used only by the synthetic drafter."""
+        """`reference` is the target's own continuation, used only by the synthetic drafter. The drafter is made
+        and the loop runs on the engine thread (making one may time verify passes)."""
+        return ENGINE.iterate(self._speculative(ids, s, reference, stop))
+
+    def _speculative(self, ids, s: Settings, reference, stop) -> Iterator[StepEvent]:
         model, tok = self.pair.target.model, self.pair.target.tokenizer
         drafter = self.drafter(s, ids, reference)
         drafter.min_tokens = s.draft_min
-        return speculative_decode(model, tok, ids, drafter, s.sampling, s.max_new_tokens, eos_ids(model, tok), stop)
+        yield from speculative_decode(model, tok, ids, drafter, s.sampling, s.max_new_tokens, eos_ids(model, tok),
+                                      stop)  # fmt: skip
 
     def drafter(self, s: Settings, ids: list[int], reference: list[int]) -> Drafter:
         pair, room = self.pair, len(ids) + s.max_new_tokens + MAX_GAMMA

@@ -22,6 +22,7 @@ from engine.models import MODELS
 from engine.predict import expected_tokens
 from engine.runtime import Clock, eos_ids
 from engine.settings import Settings
+from engine.worker import ENGINE
 
 CONTENDERS = ("hf_generate", "hf_assisted", "ours_baseline", "ours_speculative")
 
@@ -53,16 +54,55 @@ def _assisted_kwargs(req: Settings) -> dict:
     return dict(assistant_model=draft)
 
 
-def _hf_run(req: Settings, ids: list[int], kwargs: dict) -> tuple[float, list[int]]:
+class ForwardClock:
+    """Seconds spent inside a model's forward, by hooks on it, so a run's time splits into the model's and the
+    decoding loop's own (sampling, cache bookkeeping, detokenising, Python): the part where loops differ."""
+
+    def __init__(self, model):
+        self.seconds, self.passes, self._began = 0.0, 0, 0.0
+        self.clock = Clock(model.device)
+        self._hooks = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
+
+    def _pre(self, *_):
+        self._began = self.clock.now()
+
+    def _post(self, *_):
+        self.seconds += self.clock.now() - self._began
+        self.passes += 1
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def _hf_run(req: Settings, ids: list[int], kwargs: dict) -> tuple[float, list[int], None, float]:
+    """One `generate()` on the engine thread, where our own runs go too: the same OpenMP team for both."""
+    return ENGINE.call(_generate, req, ids, kwargs)
+
+
+def _generate(req: Settings, ids: list[int], kwargs: dict) -> tuple[float, list[int], None, float]:
     model = _plain(req.target, req)
     inputs = torch.tensor([ids], device=model.device)
-    clock = Clock(model.device)
-    with torch.inference_mode():
-        start = clock.now()
-        out = model.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
-        elapsed = clock.now() - start
+    clock, inside = Clock(model.device), ForwardClock(model)
+    try:
+        with torch.inference_mode():
+            start = clock.now()
+            out = model.generate(inputs, attention_mask=torch.ones_like(inputs), **kwargs)
+            elapsed = clock.now() - start
+    finally:
+        inside.close()
     new = out[0, len(ids) :].tolist()
-    return len(new) / elapsed, new
+    return len(new) / elapsed, new, None, (elapsed - inside.seconds) / max(len(new), 1)
+
+
+def _ours(model, run) -> tuple[float, list[int], object, float]:
+    inside = ForwardClock(model)
+    try:
+        result = run()
+    finally:
+        inside.close()
+    m = result.metrics
+    return m.new_tokens / m.total_s, result.token_ids, result, (m.total_s - inside.seconds) / max(m.new_tokens, 1)
 
 
 def compare_hf(base: Settings, prompts: list[str], repeats: int = 3, progress: Progress = _quiet, stop=None) -> dict:
@@ -72,13 +112,14 @@ def compare_hf(base: Settings, prompts: list[str], repeats: int = 3, progress: P
     req = base.validate()
     session = Session(req, progress, stop)
     rows, total = [], len(prompts) * repeats
+    target = session.backend.pair.target.model
     for i, prompt in enumerate(prompts):
         ids = session.backend.encode(prompt, req)
         runners = {
             "hf_generate": lambda: _hf_run(req, ids, _hf_kwargs(session, req)),
             "hf_assisted": lambda: _hf_run(req, ids, _hf_kwargs(session, req) | _assisted_kwargs(req)),
-            "ours_baseline": lambda: _ours(session.baseline(ids, req)),
-            "ours_speculative": lambda: _ours(session.speculative(ids, req, [])),
+            "ours_baseline": lambda: _ours(target, lambda: session.baseline(ids, req)),
+            "ours_speculative": lambda: _ours(target, lambda: session.speculative(ids, req, [])),
         }
         for name in CONTENDERS:  # warm-up
             runners[name]()
@@ -95,6 +136,7 @@ def compare_hf(base: Settings, prompts: list[str], repeats: int = 3, progress: P
         "environment": session.environment,
         "ratios": {key: spread([row[key] for row in rows]) for key in RATIOS},
         "speeds": {name: spread([row[name]["tokens_per_s"] for row in rows]) for name in CONTENDERS},
+        "outside_forward_s": {name: spread([row[name]["outside_forward_s"] for row in rows]) for name in CONTENDERS},
         "runs": rows,
     }
 
@@ -107,15 +149,10 @@ RATIOS = {
 }
 
 
-def _ours(result) -> tuple[float, list[int], object]:
-    m = result.metrics
-    return m.new_tokens / m.total_s, result.token_ids, result
-
-
 def _row(prompt: int, repeat: int, order: tuple, got: dict) -> dict:
     row = {"prompt": prompt, "repeat": repeat, "order": list(order)}
     for name, value in got.items():
-        row[name] = {"tokens_per_s": value[0], "new_tokens": len(value[1])}
+        row[name] = {"tokens_per_s": value[0], "new_tokens": len(value[1]), "outside_forward_s": value[3]}
     for key, (a, b) in RATIOS.items():
         row[key] = got[a][0] / got[b][0]
     row["speedup_ratio_ours_over_hf"] = row["ours_speedup"] / row["hf_speedup"]

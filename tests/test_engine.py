@@ -325,6 +325,9 @@ def test_linear_forms_follow_the_measurements_and_are_measured_once(llama_pair, 
     assert cpu._decide(dict.fromkeys(rows, 1.0), dict.fromkeys(rows, 0.5)) == 1
     assert cpu._decide(dict.fromkeys(rows, 1.0), dict.fromkeys(rows, 2.0)) == cpu.NEVER
     assert cpu._decide(dict.fromkeys(rows, 1.0), {1: 0.5, 2: 2.0, 3: 0.5, 5: 0.5, 9: 0.5, 17: 0.5}) == 3
+    # a win inside the noise margin is no win: stock layers stay (what HF runs, and what a whole run may prefer)
+    assert cpu._decide(dict.fromkeys(rows, 1.0), dict.fromkeys(rows, 1 - cpu.FORM_GAIN / 2)) == cpu.NEVER
+    assert cpu._decide(dict.fromkeys(rows, 1.0), {1: 1.2, 2: 1.1, 3: 0.97, 5: 0.8, 9: 0.8, 17: 0.7}) == 5
     import copy
 
     model = copy.deepcopy(llama_pair[0])
@@ -472,3 +475,34 @@ def test_a_draft_with_another_tokenizer_drafts_through_text_and_stays_lossless(m
     notes = [x.draft_note for x in c.speculative.steps[1:]]
     assert all(n.startswith("the draft's own tokens: ") for n in notes[:-1]), notes  # shown on hover
     assert any(x.accepted == 0 < len(x.drafted) for x in c.speculative.steps[1:])  # drafts that missed
+
+
+def test_every_torch_pass_of_a_comparison_runs_on_the_engine_thread(model_dirs):
+    """Loading (with its timed passes), warm-up, both runs and the drafter's passes, asked for from other threads
+    as a web server does: one OpenMP team for all of it (engine.worker)."""
+    import threading
+
+    from engine.compare import stream_compare
+    from engine.models import MODELS
+    from engine.settings import Settings
+    from engine.worker import ENGINE
+
+    MODELS.clear()
+    seen: set[str] = set()
+    hook = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: seen.add(threading.current_thread().name)
+    )
+    s = Settings(target=model_dirs["target"], drafter="draft-model", draft=model_dirs["draft"], max_new_tokens=12,
+                 seed=0, adaptive=True)  # fmt: skip
+    events = stream_compare(s, "the same prompt twice: the same prompt")
+    try:
+        while True:  # each event asked for from a new thread, as a server's worker pool may
+            box = {}
+            worker = threading.Thread(target=lambda: box.setdefault("event", next(events, None)))
+            worker.start()
+            worker.join()
+            if box["event"] is None:
+                break
+    finally:
+        hook.remove()
+    assert seen == {ENGINE.name}
