@@ -46,7 +46,7 @@ API_FIELDS = [name for name in Settings.names() if name not in ("device", "compi
 
 HISTORY_COLUMNS = [
     "time", "status", "target", "drafter", "draft", "γ", "temperature", "max new", "speedup ×", "acceptance",
-    "base tok/s", "spec tok/s", "identical",
+    "base tok/s", "spec tok/s", "lossless",
 ]  # fmt: skip
 
 
@@ -132,7 +132,7 @@ class Live:
         """(status, baseline pane, speculative pane, summary, chart); chart=False leaves the chart as it is."""
         base, spec = self.run("baseline"), self.run("speculative")
         done = self.comparison
-        hint = render.verdict_badge(done.identical, done.stopped) if done else ""
+        hint = render.verdict_badge(done.verdict, done.stopped) if done else ""
         engine = {"vllm": "vLLM", "llama.cpp": "llama.cpp"}.get(done.environment.get("backend")) if done else None
         if engine:
             hint += render.unreported(engine)
@@ -150,7 +150,7 @@ class Live:
         summary = render.summary(
             base.metrics if base else None,
             spec.metrics if spec and not self.running else None,
-            done.identical if done else None,
+            done.verdict if done else None,
             done.speedup if done else None,
             stopped=bool(done and done.stopped),
             suspect=done.suspect if done else None,
@@ -165,10 +165,11 @@ def history_row(s: Settings, status: str, c: Comparison | None = None) -> list:
     row = [time.strftime("%H:%M:%S"), status, s.target, s.drafter, s.draft, s.gamma, s.temperature,
            s.max_new_tokens]  # fmt: skip
     if c is None or c.speedup is None:
-        return row + [None, None, None, None, c.identical if c else None]
+        return row + [None, None, None, None, c.verdict.kind if c and c.verdict else None]
     sm, b = c.speculative.metrics, c.baseline.metrics
     acceptance = None if sm.acceptance_rate is None else round(sm.acceptance_rate, 3)
-    return row + [round(c.speedup, 3), acceptance, round(b.tokens_per_s, 2), round(sm.tokens_per_s, 2), c.identical]
+    return row + [round(c.speedup, 3), acceptance, round(b.tokens_per_s, 2), round(sm.tokens_per_s, 2),
+                  c.verdict.kind if c.verdict else None]  # fmt: skip
 
 
 def write_downloads(c: Comparison | None, history: list[list]) -> list[str]:
@@ -191,8 +192,8 @@ def api_result(c: Comparison | None) -> dict:
     if c is None:
         return {}
     data = c.to_dict(with_steps=False)
-    keys = ("status", "baseline", "speculative", "identical", "speedup", "suspect", "settings", "environment",
-            "started_at", "finished_at")  # fmt: skip
+    keys = ("status", "baseline", "speculative", "identical", "verdict", "speedup", "suspect", "settings",
+            "environment", "started_at", "finished_at")  # fmt: skip
     return {k: data[k] for k in keys}
 
 

@@ -38,7 +38,7 @@ run the prompts in order, each seeing the earlier prompts' outputs. The camera i
 report's charts.html holds both charts and opens offline."""
 
 CELL_COLUMNS = ["drafter", "γ", "temperature", "confidence stop", "speedup ×", "min", "max", "samples", "acceptance",
-                "base tok/s", "spec tok/s", "identical"]  # fmt: skip
+                "base tok/s", "spec tok/s", "lossless"]  # fmt: skip
 LOAD_COLUMNS = ["at a time", "speedup ×", "base tok/s", "spec tok/s", "base p50 s", "base p99 s", "spec p50 s",
                 "spec p99 s"]  # fmt: skip
 CATEGORY_COLUMNS = ["category", "speedup ×", "min", "max", "samples", "acceptance", "expected"]
@@ -90,8 +90,9 @@ def _r(value, digits=2):
 
 
 def _identical(cell: dict):
-    """Greedy cells say whether every pair was identical; sampled cells are not compared ("-")."""
-    return "-" if cell["all_identical"] is None else cell["all_identical"]
+    """Greedy cells give their worst pair's lossless verdict (identical, rounding, unjudged, differs); sampled
+    cells are not compared ("-")."""
+    return cell.get("lossless") or "-"
 
 
 def cell_rows(data: dict) -> list[list]:

@@ -12,7 +12,7 @@ import gradio as gr
 from app import handlers, render
 from app.gpu import on_gpu
 from engine import presets
-from engine.settings import BUNDLED, DTYPES, MAX_GAMMA, max_new_tokens_cap
+from engine.settings import BUNDLED, DTYPES, MAX_GAMMA, STRICT, max_new_tokens_cap
 
 log = logging.getLogger("specarena")
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -98,6 +98,10 @@ def build_layout() -> SimpleNamespace:
                 widget("seed", gr.Number(0, precision=0, label="seed (-1 = random)"))
                 widget("chat", gr.Checkbox(True, label="chat template (when the target has one)"))
                 widget("dtype", gr.Dropdown(list(DTYPES), value="auto", label="dtype"))
+                widget("strict", gr.Radio(list(STRICT), value="auto", label="strict mode",
+                                          info="every target pass of both runs at one width, so that even 16-bit "
+                                          "greedy ids are bit-identical; auto: on in 16 bits where it costs a "
+                                          "one-token pass no more than the noise (measured)"))  # fmt: skip
                 widget("ngram", gr.Slider(1, 8, value=3, step=1, label="prompt lookup: longest n-gram"))
                 widget("alpha", gr.Slider(0, 1, value=0.8, step=0.05, label="synthetic drafter: α"))
         with gr.Column(scale=2, min_width=300, elem_id="prompt-col"):

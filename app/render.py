@@ -121,23 +121,40 @@ def unreported(engine: str) -> str:
     )
 
 
-def verdict_badge(identical: bool | None, stopped: bool = False) -> str:
-    if stopped:
-        return (
-            '<span class="sa-badge sa-warn" title="A stopped comparison has runs of different lengths: they are '
-            'not compared and no speedup is computed.">stopped: partial runs, not compared</span>'
-        )
-    if identical is None:
-        return (
-            '<span class="sa-badge sa-info" title="Sampled runs differ token by token; rejection sampling keeps '
-            'the distribution of the target.">sampled: same distribution, not same text</span>'
-        )
-    if identical:
-        return '<span class="sa-badge sa-ok">✓ outputs identical (lossless)</span>'
-    return (
-        '<span class="sa-badge sa-bad">✗ outputs differ under greedy decoding: this is a bug, '
-        "please report it with the downloaded run JSON</span>"
-    )
+def verdict_badge(verdict=None, stopped: bool = False) -> str:
+    """The lossless verdict (engine.lossless.Judgement) as a badge; its whole sentence on hover. Rounding in 16
+    bits is not the bug colour: both runs chose the target's greedy token within rounding."""
+    kind = "stopped" if stopped else getattr(verdict, "kind", None) or "sampled"
+    message = getattr(verdict, "message", "")
+    badges = {
+        "stopped": ("sa-warn", "stopped: partial runs, not compared", "A stopped comparison has runs of different "
+                    "lengths: they are not compared and no speedup is computed."),
+        "sampled": ("sa-info", "sampled: same distribution, not same text", "Sampled runs differ token by token; "
+                    "rejection sampling keeps the distribution of the target."),
+        "identical": ("sa-ok", "✓ outputs identical (lossless)", "Greedy decoding: the speculative ids equal the "
+                      "baseline's, token for token."),
+        "rounding": ("sa-round", f"≈ identical for {getattr(verdict, 'agreed', 0)} tokens, then 16-bit rounding",
+                     f"{message}. Strict mode (parameters) runs every pass at one width, so the ids are identical."),
+        "unjudged": ("sa-warn", f"outputs part at token {(getattr(verdict, 'position', None) or 0) + 1}: cause "
+                     "unknown", message),
+        "differs": ("sa-bad", "✗ outputs differ beyond rounding: this is a bug, please report it with the "
+                    "downloaded run JSON", message),
+    }  # fmt: skip
+    css, text, title = badges[kind]
+    return f'<span class="sa-badge {css}" title="{escape(title, quote=True)}">{escape(text)}</span>'
+
+
+def strict_line(env: dict | None) -> str:
+    """Which numerics ran: strict mode's width and cost, where the in-process engine decided."""
+    strict = (env or {}).get("strict") or {}
+    cost = strict.get("cost")
+    costs = f", measured {cost:.2f}x a plain baseline step here" if cost else ""
+    if strict.get("width"):
+        return f"strict mode: every target pass {strict['width']} rows over a fixed-size cache{costs}"
+    if strict:
+        why = {"off": "off", "auto": f"off (auto{costs})", "on": "on"}[strict.get("setting", "off")]
+        return f"strict mode {why}"
+    return ""
 
 
 def environment_line(env: dict | None) -> str:
@@ -150,6 +167,7 @@ def environment_line(env: dict | None) -> str:
         env.get("device_name", "") + (f", {threads} threads" if threads and env.get("device") != "cuda" else ""),
         env.get("dtype", ""),
         f"linears: {env['linear_forms']}" if env.get("linear_forms") else "",
+        strict_line(env),
         *(f"{name} {env[key]}" for key, name in (("torch", "torch"), ("transformers", "transformers"),
                                                  ("vllm", "vLLM"), ("llama_cpp", "llama.cpp build")) if env.get(key)),
     ]  # fmt: skip
@@ -157,7 +175,7 @@ def environment_line(env: dict | None) -> str:
 
 
 def summary(
-    base: Metrics | None, spec: Metrics | None, identical: bool | None, speedup: float | None, stopped: bool = False,
+    base: Metrics | None, spec: Metrics | None, verdict, speedup: float | None, stopped: bool = False,
     suspect: list[str] | None = None, environment: dict | None = None,
 ) -> str:  # fmt: skip
     """The verdict badge, the cards and where they were measured. A suspect run shows why instead of its
@@ -192,7 +210,7 @@ def summary(
         )
     cards_html = "".join(cards)
     return (
-        f'<div class="sa-summary">{verdict_badge(identical)}{doubt}<div class="sa-cards">{cards_html}</div>'
+        f'<div class="sa-summary">{verdict_badge(verdict)}{doubt}<div class="sa-cards">{cards_html}</div>'
         f"{environment_line(environment)}</div>"
     )
 

@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from engine.errors import UserError
-from engine.settings import BACKENDS, BUNDLED, DRAFTERS
+from engine.settings import BACKENDS, BUNDLED, DRAFTERS, STRICT
 
 
 def add_pair_args(p: argparse.ArgumentParser) -> None:
@@ -29,6 +29,9 @@ def add_pair_args(p: argparse.ArgumentParser) -> None:
                    help="transformers: this process (default); vllm: vLLM servers (SPECARENA_VLLM_PYTHON or URLs); "
                    "llama.cpp: llama-server (SPECARENA_LLAMA_SERVER, build-llama-server, or URLs)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--strict", choices=STRICT, default="auto",
+                   help="every target pass of both runs at one width, so 16-bit greedy ids are bit-identical; auto: "
+                   "on in 16 bits where it costs a one-token pass no more than the noise (transformers backend)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
 
 
@@ -117,6 +120,7 @@ def settings_from(args: argparse.Namespace, **overrides):
         seed=args.seed, chat=args.chat, dtype=args.dtype, device=args.device, ngram=args.ngram, alpha=args.alpha,
         adaptive=args.adaptive, compile=args.compile, backend=args.backend,
         p_min=(_numbers(str(args.p_min), float, "p-min") or [0.0])[0], draft_min=args.draft_min,
+        strict=getattr(args, "strict", "auto"),
     )  # fmt: skip
     return Settings(**(values | overrides))
 
@@ -144,11 +148,22 @@ def summary(result) -> str:
         f"{s.mean_accepted_length:.2f} tokens per target pass, "
         f"c = {_fmt(s.cost_ratio_c, '.3f')}",
     ]
-    if result.identical is not None:
-        lines.append("outputs identical: " + ("yes" if result.identical else "NO - this is a bug, please report it"))
+    strict = env.get("strict") or {}
+    if strict.get("width"):
+        lines.append(f"strict mode: every target pass {strict['width']} rows wide ({strict_cost(strict)})")
+    elif strict.get("cost"):
+        lines.append(f"strict mode off: {strict_cost(strict)}")
+    if result.verdict is not None and result.verdict.kind not in ("sampled", "stopped"):
+        lines.append(f"lossless: {result.verdict.message}")
     lines.append("")
     lines.append(result.speculative.text)
     return "\n".join(lines)
+
+
+def strict_cost(strict: dict) -> str:
+    """What strict mode costs a one-token pass, as measured for this model."""
+    cost = strict.get("cost")
+    return "its cost not measured" if cost is None else f"a pass that wide costs {cost:.2f} one-token passes here"
 
 
 def cmd_run(args) -> int:
@@ -256,7 +271,8 @@ def _spread(s: dict, spec: str = ".2f", suffix: str = "") -> str:
     return f"{s['median']:{spec}}{suffix} ({s['min']:{spec}}-{s['max']:{spec}})"
 
 
-IDENTICAL = {True: "yes", False: "NO", None: "- (sampled)"}
+LOSSLESS = {"identical": "yes", "rounding": "rounding", "unjudged": "? (unjudged)", "differs": "NO (a bug)",
+            None: "- (sampled)"}  # fmt: skip
 
 
 def versions(env: dict) -> str:
@@ -282,7 +298,7 @@ def sweep_table(data: dict) -> str:
         lines.append(
             f"{drafter:15}{c['gamma']:>6}{c['temperature']:>6}  {_spread(c['speedup'], '.2f', 'x'):22}"
             f"{'-' if accept is None else f'{accept:.2f}':>8}{c['baseline_tps']['median']:>12.1f}"
-            f"{c['speculative_tps']['median']:>12.1f}  {IDENTICAL[c['all_identical']]}"
+            f"{c['speculative_tps']['median']:>12.1f}  {LOSSLESS[c.get('lossless')]}"
         )
         if len(c["by_category"]) > 1:
             for name, stats in c["by_category"].items():

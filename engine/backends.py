@@ -23,9 +23,12 @@ from engine.events import Status
 from engine.metrics import StepEvent
 from engine.models import MODELS, LoadedModel, free_memory, resolve_device
 from engine.runtime import encode_prompt, eos_ids
+from engine.sampling import SamplingConfig
 from engine.settings import MAX_GAMMA, Settings
 from engine.speculative import speculative_decode
 from engine.worker import ENGINE
+
+STRICT_MARGIN = 0.05  # strict mode is on by default where it costs a one-token pass no more than this
 
 
 @dataclass
@@ -139,6 +142,7 @@ class Transformers:
             "draft_tokenizer": None if self.pair.draft is None else "same ids" if self.pair.same_ids else
             "another: drafts re-encoded through text",
             "step_s_at_load": target.step_s,
+            "strict": getattr(self, "strict", None),
         }
 
     def encode(self, prompt: str, s: Settings) -> list[int]:
@@ -158,11 +162,23 @@ class Transformers:
     def decode(self, ids: list[int]) -> str:
         return self.pair.target.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def strict_width(self, s: Settings) -> int:
+        """The width every target pass of both runs takes in strict mode, 0 when it is off. Auto turns it on in
+        16-bit dtypes (float32 passes of any width have given the same ids everywhere so far) where a pass that
+        wide costs a one-token pass no more than STRICT_MARGIN (measured once per model and width): on a GPU,
+        whose small passes are bandwidth-bound, nearly always; on a CPU, as measured."""
+        width = (MAX_GAMMA if s.adaptive else s.gamma) + 1
+        wanted = s.strict == "on" or (s.strict == "auto" and self.pair.target.dtype != torch.float32)
+        cost = ENGINE.call(self.pair.target.strict_cost, width) if wanted else None
+        on = s.strict == "on" or (wanted and cost <= 1 + STRICT_MARGIN)
+        self.strict = {"setting": s.strict, "width": width if on else 0, "cost": cost}
+        return width if on else 0
+
     def baseline(self, ids: list[int], s: Settings, stop: threading.Event | None = None) -> Iterator[StepEvent]:
         """The loop runs on the engine thread (engine.worker), one step per next()."""
         model, tok = self.pair.target.model, self.pair.target.tokenizer
         return ENGINE.iterate(baseline_decode(model, tok, ids, s.sampling, s.max_new_tokens, eos_ids(model, tok),
-                                              stop))  # fmt: skip
+                                              stop, self.strict_width(s)))  # fmt: skip
 
     def speculative(
         self, ids: list[int], s: Settings, reference: list[int], stop: threading.Event | None = None
@@ -173,10 +189,18 @@ class Transformers:
 
     def _speculative(self, ids, s: Settings, reference, stop) -> Iterator[StepEvent]:
         model, tok = self.pair.target.model, self.pair.target.tokenizer
+        width = self.strict_width(s)
         drafter = self.drafter(s, ids, reference)
         drafter.min_tokens = s.draft_min
         yield from speculative_decode(model, tok, ids, drafter, s.sampling, s.max_new_tokens, eos_ids(model, tok),
-                                      stop)  # fmt: skip
+                                      stop, width)  # fmt: skip
+
+    def greedy(self, ids: list[int], n: int, width: int = 0) -> list[int]:
+        """The target's next `n` greedy tokens after `ids`, decoded one pass at a time as the baseline does (no
+        clocks, no EOS): the synthetic drafter's reference where a run leaves the baseline's text."""
+        model, cfg = self.pair.target.model, SamplingConfig()
+        steps = baseline_decode(model, self.pair.target.tokenizer, ids, cfg, n, set(), width=width)
+        return [t for step in steps for t in step.tokens]
 
     def drafter(self, s: Settings, ids: list[int], reference: list[int]) -> Drafter:
         pair, room = self.pair, len(ids) + s.max_new_tokens + MAX_GAMMA
@@ -186,7 +210,8 @@ class Transformers:
             return CrossTokenizerDraft(pair.draft.model, pair.draft.tokenizer, pair.target.tokenizer, room * 4,
                                        s.gamma, s.adaptive, s.p_min)  # fmt: skip
         if s.drafter == "draft-model":
-            return DraftModel(pair.draft.model, pair.target.vocab_size, room, s.gamma, s.adaptive, s.p_min)
+            return DraftModel(pair.draft.model, pair.target.vocab_size, gamma=s.gamma, adaptive=s.adaptive,
+                              p_min=s.p_min)  # fmt: skip
         if s.drafter == "prompt-lookup":
             costs = pair.target.verify_costs if s.adaptive else None
             return PromptLookup(max_ngram=s.ngram, costs=costs, gamma=s.gamma)
@@ -194,9 +219,10 @@ class Transformers:
             from engine.suffix import SuffixDrafter
 
             return SuffixDrafter(self.memory, s.gamma, pair.target.verify_costs if s.adaptive else None)
-        pace = DraftModel(pair.draft.model, pair.target.vocab_size, room, MAX_GAMMA) if s.uses_draft else None
+        pace = DraftModel(pair.draft.model, pair.target.vocab_size, gamma=MAX_GAMMA) if s.uses_draft else None
         seed = s.seed or 0
-        return Synthetic(len(ids), reference, s.alpha, pair.target.vocab_size, seed, pace, s.gamma, s.adaptive)
+        return Synthetic(len(ids), reference, s.alpha, pair.target.vocab_size, seed, pace, s.gamma, s.adaptive,
+                         regenerate=lambda at, n: self.greedy(at, n, self.strict["width"]))  # fmt: skip
 
 
 def backend_for(s: Settings):

@@ -11,6 +11,7 @@ from typing import Iterator
 
 import torch
 
+from engine.lossless import top_two
 from engine.metrics import StepEvent
 from engine.runtime import Clock, TextStream, emit, forward, prefill
 from engine.sampling import SamplingConfig, choose
@@ -25,12 +26,14 @@ def baseline_decode(
     max_new_tokens: int,
     eos: set[int],
     stop: threading.Event | None = None,
+    width: int = 0,
 ) -> Iterator[StepEvent]:
-    """Yield one StepEvent per generated token until EOS, max_new_tokens or `stop`."""
+    """Yield one StepEvent per generated token until EOS, max_new_tokens or `stop`. `width`: strict mode, every
+    pass padded to that many rows, as the speculative run's verify passes are (engine.runtime.forward)."""
     clock = Clock(target.device)
     generator = cfg.generator(target.device)
     stream = TextStream(tokenizer)
-    event, cache = prefill(target, prompt_ids, cfg, generator, stream, eos, max_new_tokens, clock)
+    event, cache = prefill(target, prompt_ids, cfg, generator, stream, eos, max_new_tokens, clock, width > 0)
     elapsed = event.elapsed_s
     yield event
     last, produced, finished, step = event.tokens[-1], len(event.tokens), event.finished, 0
@@ -40,14 +43,15 @@ def baseline_decode(
             return
         step += 1
         t0 = clock.now()
-        logits = forward(target, [last], cache)[-1]  # (V,)
+        logits = forward(target, [last], cache, width=width)[-1]  # (V,)
         last, p = choose(logits, cfg, generator)
+        top = top_two(logits[None]) if cfg.greedy else []  # evidence for the lossless verdict
         t1 = clock.now()
         tokens, pieces, finished = emit(stream, [last], eos, max_new_tokens - produced)
         t2 = clock.now()
         elapsed += t2 - t0
         produced += 1
         yield StepEvent(
-            step, "target", tokens, pieces, token=last, token_p=p,
+            step, "target", tokens, pieces, token=last, token_p=p, top=top,
             verify_s=t1 - t0, other_s=t2 - t1, elapsed_s=elapsed, finished=finished,
         )  # fmt: skip

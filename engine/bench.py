@@ -16,6 +16,7 @@ from typing import Callable
 from engine.backends import guarded
 from engine.compare import open_backend, result_of, run, warm_up
 from engine.errors import UserError
+from engine.lossless import judge
 from engine.metrics import RunResult, position_counts
 from engine.settings import TAKES_DRAFT, Settings
 
@@ -44,6 +45,7 @@ class Sample:
     mean_accepted_length: float
     new_tokens: int
     identical: bool | None
+    lossless: str | None  # greedy: the verdict's kind (engine.lossless): identical, rounding, differs, unjudged
     baseline_step_s: float  # decode time per baseline token
     draft_token_s: float | None  # draft time per drafted token
     verify_pass_s: float  # verify time per decode pass
@@ -52,8 +54,10 @@ class Sample:
     positions: list[list[int]] = field(default_factory=list)  # per draft position: [reached, kept]
 
     @classmethod
-    def of(cls, prompt: int, repeat: int, order: str, base: RunResult, spec: RunResult, greedy: bool) -> "Sample":
+    def of(cls, prompt: int, repeat: int, order: str, base: RunResult, spec: RunResult, greedy: bool,
+           dtype: str = "float32") -> "Sample":  # fmt: skip
         b, s = base.metrics, spec.metrics
+        verdict = judge(base.steps, spec.steps, base.token_ids, spec.token_ids, dtype) if greedy else None
         decode_passes = max(s.target_passes - 1, 1)
         return cls(
             prompt=prompt,
@@ -66,6 +70,7 @@ class Sample:
             mean_accepted_length=s.mean_accepted_length,
             new_tokens=s.new_tokens,
             identical=(base.token_ids == spec.token_ids) if greedy else None,
+            lossless=verdict.kind if verdict else None,
             baseline_step_s=1 / b.tokens_per_s if b.tokens_per_s else 0.0,
             draft_token_s=s.draft_s / s.drafted_tokens if s.drafted_tokens else None,
             verify_pass_s=s.verify_s / decode_passes,
@@ -88,6 +93,16 @@ def _all_identical(samples: list[Sample]) -> bool | None:
     return all(compared) if compared else None
 
 
+VERDICTS = ("identical", "rounding", "unjudged", "differs")  # from best to worst
+
+
+def worst_verdict(samples: list[Sample]) -> str | None:
+    """Greedy pairs: the worst lossless verdict among them (a cell is as good as its worst pair); None when
+    sampled."""
+    kinds = [s.lossless for s in samples if s.lossless is not None]
+    return max(kinds, key=VERDICTS.index) if kinds else None
+
+
 def _stats(samples: list[Sample]) -> dict:
     return {
         "speedup": spread([s.speedup for s in samples]),
@@ -96,6 +111,7 @@ def _stats(samples: list[Sample]) -> dict:
         "baseline_tps": spread([s.baseline_tps for s in samples]),
         "speculative_tps": spread([s.speculative_tps for s in samples]),
         "all_identical": _all_identical(samples),
+        "lossless": worst_verdict(samples),
     }
 
 
@@ -181,7 +197,8 @@ class Session:
                     spec = self.speculative(ids, seeded, reference)
                     base = self.baseline(ids, seeded)
                 order = "AB" if r % 2 == 0 else "BA"
-                samples.append(Sample.of(prompt_index, r, order, base, spec, s.sampling.greedy))
+                samples.append(Sample.of(prompt_index, r, order, base, spec, s.sampling.greedy,
+                                         self.environment.get("dtype", "float32")))  # fmt: skip
         return samples
 
 

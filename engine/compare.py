@@ -17,6 +17,7 @@ from typing import Iterator
 
 from engine.backends import backend_for, guarded
 from engine.events import Done, Event, RunDone, RunStarts, Status, Step
+from engine.lossless import Judgement, judge
 from engine.metrics import RunResult, StepEvent, summarise
 from engine.settings import Settings, check_prompt
 from engine.trust import OtherLoad, suspicions
@@ -34,6 +35,7 @@ class Comparison:
     loaded_models: list[str] = field(default_factory=list)  # models this comparison had to load first
     other_load: float = 0.0  # share of all CPUs other processes used during the two runs (engine.trust)
     suspect: list[str] = field(default_factory=list)  # why the speedup may not be what this machine does
+    verdict: Judgement | None = None  # is the output the baseline's, and if not, why (engine.lossless)
 
     @property
     def stopped(self) -> bool:
@@ -51,6 +53,15 @@ class Comparison:
             return None
         return self.baseline.token_ids == self.speculative.token_ids
 
+    def judge(self, decode=None) -> Judgement:
+        """The lossless verdict: greedy ids compared, and where they part, judged from the passes' scores."""
+        if self.stopped:
+            return Judgement("stopped", "stopped: partial runs, not compared")
+        if not self.settings.sampling.greedy:
+            return Judgement("sampled", "sampled: same distribution, not the same text")
+        b, s = self.baseline, self.speculative
+        return judge(b.steps, s.steps, b.token_ids, s.token_ids, self.environment.get("dtype", "float32"), decode)
+
     @property
     def speedup(self) -> float | None:
         if self.stopped:
@@ -67,6 +78,7 @@ class Comparison:
             "baseline": self.baseline.to_dict(with_steps),
             "speculative": self.speculative.to_dict(with_steps) if self.speculative else None,
             "identical": self.identical,
+            "verdict": self.verdict.to_dict() if self.verdict else None,
             "speedup": self.speedup,
             "suspect": self.suspect,
             "other_load": self.other_load,
@@ -135,6 +147,7 @@ def stream_compare(s: Settings, prompt: str, stop: threading.Event | None = None
         c = Comparison(s, prompt, baseline, speculative, backend.environment, started, time.time(),
                        backend.loaded, load.share())  # fmt: skip
         c.suspect = suspicions(c)
+        c.verdict = c.judge(backend.decode)
         yield Done(c)
 
 

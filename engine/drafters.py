@@ -12,6 +12,7 @@ never lives here; it is in engine.sampling.verify, the same for all drafters.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ class Draft:
     probs: torch.Tensor | None = None  # (len(tokens), V) q over the target's vocabulary, None = one-hot
     passes: int = 0  # draft forward passes spent
     note: str = ""  # why the draft ended before its length, when it did (a confidence stop, a dropped draft)
+    untimed_s: float = 0.0  # time the drafter spent on its own bookkeeping, not drafting (kept out of the clocks)
 
 
 class Drafter(ABC):
@@ -38,6 +40,8 @@ class Drafter(ABC):
 
     name = "drafter"
     min_tokens = 0  # a shorter draft is dropped rather than verified (llama.cpp's --spec-draft-n-min)
+    width = 0  # strict mode: the draft model's passes at the run's width too (engine.runtime.forward)
+    max_len: int | None = None  # tokens a draft model's cache must hold (a static cache needs it up front)
 
     def __init__(self, gamma: int = 4, adaptive: bool = False):
         self.start, self.adaptive = gamma, adaptive
@@ -48,12 +52,17 @@ class Drafter(ABC):
         draft = self.propose(ids, limit, cfg, generator)
         if 0 < len(draft.tokens) < self.min_tokens:
             note = f"a {len(draft.tokens)}-token draft is shorter than {self.min_tokens}: dropped"
-            return Draft([], None, draft.passes, note=f"{draft.note}; {note}" if draft.note else note)
+            return Draft([], None, draft.passes, f"{draft.note}; {note}" if draft.note else note, draft.untimed_s)
         return draft
 
     def reset(self) -> None:
         """Forget any state from a previous run."""
         self.gamma = self.start
+
+    def fit(self, max_len: int, width: int = 0) -> None:
+        """The run's size and strict width (the loop calls this before reset): a draft model's cache holds
+        max_len tokens, the target's capacity, so that in strict mode both attend over as many keys."""
+        self.max_len, self.width = max_len, width
 
     @abstractmethod
     def propose(self, ids: list[int], limit: int, cfg: SamplingConfig, generator: torch.Generator) -> Draft:
@@ -92,7 +101,7 @@ class DraftModel(Drafter):
     ):  # fmt: skip
         self.model = model
         self.vocab_size = vocab_size  # the target's; q is cut or zero-padded to it
-        self.max_len = max_len  # tokens the cache must hold: needed up front by a compiled model's static cache
+        self.max_len = max_len  # tokens the cache must hold (the loop's fit() sets it for a run)
         self.p_min = p_min
         super().__init__(gamma, adaptive)
 
@@ -104,7 +113,7 @@ class DraftModel(Drafter):
     def _sync(self, ids: list[int]) -> list[int]:
         """Crop the cache to its longest still-valid prefix; return the ids to feed next (never empty)."""
         if self.cache is None:
-            self.cache = new_cache(self.model, self.max_len, role="draft")
+            self.cache = new_cache(self.model, self.max_len, role="draft", static=self.width > 0)
         keep = min(_common_prefix(self.fed, ids), len(ids) - 1)
         if len(self.fed) > keep:
             self.cache.crop(keep - len(self.fed))
@@ -124,8 +133,14 @@ class DraftModel(Drafter):
         feed = self._sync(ids)
         tokens: list[int] = []
         rows, note, passes = [], "", 0
+        if self.width and len(feed) > self.width:
+            # strict: catch up on all but the last token in one pass, as the target's prefill did the prompt, so
+            # that the last comes in a pass of the run's width like every later one
+            forward(self.model, feed[:-1], self.cache, keep=1)
+            self.fed.extend(feed[:-1])
+            feed = feed[-1:]
         for _ in range(gamma):
-            logits = self._to_target_vocab(forward(self.model, feed, self.cache, keep=1)[-1])  # (V,)
+            logits = self._to_target_vocab(forward(self.model, feed, self.cache, keep=1, width=self.width)[-1])  # (V,)
             self.fed.extend(feed)
             passes += 1
             probs = logits_to_probs(logits, cfg)
@@ -252,32 +267,63 @@ class Synthetic(Drafter):
 
     Drafting costs nothing, unless `pace` is a draft model: then it runs that model's passes for every
     draft and throws their tokens away, so a random-weight pair of real sizes (engine.random_models)
-    shows the speed a trained pair of those sizes would reach at this alpha."""
+    shows the speed a trained pair of those sizes would reach at this alpha.
+
+    A run can leave the reference: in 16 bits a verify pass may round the target's two best tokens the other
+    way than the baseline's pass did (engine.lossless), and from there every "right" token of a reference
+    read by position would be wrong (alpha 0.8 asked, 0.02 measured on a GPU). So where the run's text
+    leaves the reference, `regenerate(ids, n)` gives the target's next n greedy tokens from the run's own text,
+    and the reference goes on from there. That is the tool's bookkeeping, not drafting: its time is reported
+    in Draft.untimed_s, which the loop keeps out of its clocks."""
 
     name = "synthetic"
 
     def __init__(
         self, prompt_len: int, reference: list[int], alpha: float, vocab_size: int, seed: int = 0,
-        pace: DraftModel | None = None, gamma: int = 4, adaptive: bool = False,
+        pace: DraftModel | None = None, gamma: int = 4, adaptive: bool = False, regenerate=None,
     ):  # fmt: skip
         if not 0 <= alpha <= 1:
             raise ValueError("alpha must be in [0, 1]")
-        self.prompt_len, self.reference, self.alpha = prompt_len, list(reference), alpha
-        self.vocab_size, self.seed, self.pace = vocab_size, seed, pace
+        self.prompt_len, self.alpha = prompt_len, alpha
+        self.original = list(reference)
+        self.vocab_size, self.seed, self.pace, self.regenerate = vocab_size, seed, pace, regenerate
         super().__init__(gamma, adaptive)
+
+    def fit(self, max_len: int, width: int = 0) -> None:
+        super().fit(max_len, width)
+        if self.pace is not None:
+            self.pace.fit(max_len, width)
 
     def reset(self) -> None:
         super().reset()
         self.rng = torch.Generator().manual_seed(self.seed)
+        self.reference = list(self.original)
+        self.checked = 0  # new tokens of the run known to follow the reference
+        self.regenerated = 0  # times the reference was made again from the run's own text
         if self.pace is not None:
             self.pace.reset()
 
+    def _follow(self, ids: list[int]) -> float:
+        """Make the reference the run's own text so far and the target's greedy continuation of it; returns
+        the seconds that took (0 while the run follows the reference)."""
+        new = ids[self.prompt_len :]
+        if new[self.checked :] == self.reference[self.checked : len(new)] or self.regenerate is None:
+            self.checked = len(new)
+            return 0.0
+        start = time.perf_counter()
+        more = max(len(self.original) - len(new), 0) + MAX_GAMMA
+        self.reference = new + self.regenerate(ids, more)
+        self.checked, self.regenerated = len(new), self.regenerated + 1
+        return time.perf_counter() - start
+
     def propose(self, ids, limit, cfg, generator) -> Draft:
         gamma, passes = min(self.gamma, limit), 0
+        untimed = self._follow(ids)
         if self.pace is not None:  # greedy: the pacing passes must not draw from the run's random stream
             passes = self.pace.propose(ids, gamma, SamplingConfig(), generator).passes
         start = len(ids) - self.prompt_len
         truth = self.reference[start : start + gamma]
         truth += [(self.reference[-1] if self.reference else 0)] * (gamma - len(truth))
         right = torch.rand(gamma, generator=self.rng) < self.alpha
-        return Draft([t if ok else (t + 1) % self.vocab_size for t, ok in zip(truth, right.tolist())], passes=passes)
+        tokens = [t if ok else (t + 1) % self.vocab_size for t, ok in zip(truth, right.tolist())]
+        return Draft(tokens, passes=passes, untimed_s=untimed)

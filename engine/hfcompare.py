@@ -29,8 +29,11 @@ CONTENDERS = ("hf_generate", "hf_assisted", "ours_baseline", "ours_speculative")
 
 def _hf_kwargs(session: Session, req: Settings) -> dict:
     target = session.backend.pair.target
-    kwargs = dict(max_new_tokens=req.max_new_tokens, eos_token_id=sorted(eos_ids(target.model, target.tokenizer)))
-    kwargs["pad_token_id"] = target.tokenizer.pad_token_id or kwargs["eos_token_id"][0]
+    eos = sorted(eos_ids(target.model, target.tokenizer))
+    # a model without an end token (every random: shape) generates exactly max_new_tokens, as ours does
+    kwargs = dict(max_new_tokens=req.max_new_tokens, eos_token_id=eos or None)
+    pad = target.tokenizer.pad_token_id
+    kwargs["pad_token_id"] = pad if pad is not None else eos[0] if eos else 0
     if req.sampling.greedy:
         kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     else:

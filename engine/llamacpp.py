@@ -456,6 +456,8 @@ class LlamaCpp:
                    "presence_penalty": 0.0, "frequency_penalty": 0.0, "dry_multiplier": 0.0, "xtc_probability": 0.0,
                    "top_n_sigma": -1.0, "samplers": ["temperature", "top_k", "top_p"],
                    "seed": s.seed if s.seed is not None else -1}  # fmt: skip
+        # No n_probs: llama-server (b11434) reports no probabilities for the tokens its verify passes choose,
+        # which is where two runs part, so a greedy difference on llama.cpp cannot be judged (engine.lossless)
         return urllib.request.Request(self.urls[role] + "/completion", data=json.dumps(payload).encode(),
                                       headers={"Content-Type": "application/json"})  # fmt: skip
 

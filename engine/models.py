@@ -32,7 +32,7 @@ import torch
 from engine import random_models
 from engine.cpu import NEVER, choose_forms, pack_linears, shape_key
 from engine.errors import OutOfMemory, UserError
-from engine.runtime import compile_decoding, measure_verify_costs, time_passes
+from engine.runtime import compile_decoding, measure_verify_costs, time_passes, time_strict
 from engine.settings import BUNDLED, MAX_GAMMA
 from engine.sizing import context_length
 
@@ -191,6 +191,15 @@ class LoadedModel:
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def strict_cost(self, width: int) -> float:
+        """What strict mode adds to every baseline step: a one-token pass at `width` rows over a static cache,
+        over a plain one (runtime.time_strict). Measured once per width and load."""
+        costs = self.__dict__.setdefault("_strict_costs", {})
+        if width not in costs:
+            with torch.inference_mode():
+                costs[width] = time_strict(self.model, width)
+        return costs[width]
 
     @functools.cached_property
     def verify_costs(self) -> list[float]:

@@ -16,7 +16,8 @@ from engine.settings import BUNDLED
 
 CSV_COLUMNS = [
     "drafter", "gamma", "temperature", "category", "speedup_median", "speedup_min", "speedup_max",
-    "acceptance_median", "mean_accepted_length", "baseline_tps", "speculative_tps", "all_identical", "pairs",
+    "acceptance_median", "mean_accepted_length", "baseline_tps", "speculative_tps", "all_identical", "lossless",
+    "pairs",
 ]  # fmt: skip
 
 
@@ -132,7 +133,7 @@ def _csv_row(cell: dict, category: str, stats: dict) -> list:
         cell["drafter"], cell["gamma"], cell["temperature"], category, stats["speedup"]["median"],
         stats["speedup"]["min"], stats["speedup"]["max"], stats["acceptance_rate"]["median"],
         stats["mean_accepted_length"]["median"], stats["baseline_tps"]["median"],
-        stats["speculative_tps"]["median"], stats["all_identical"], stats["speedup"]["n"],
+        stats["speculative_tps"]["median"], stats["all_identical"], stats["lossless"], stats["speedup"]["n"],
     ]  # fmt: skip
 
 

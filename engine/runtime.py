@@ -9,8 +9,10 @@ import time
 
 import torch
 
+from engine.lossless import top_two
 from engine.metrics import StepEvent
 from engine.sampling import choose
+from engine.settings import MAX_GAMMA
 
 
 class Clock:
@@ -42,48 +44,68 @@ def compile_decoding(model, backend: str = "inductor", mode: str | None = "reduc
     model.static_caches = {}  # role -> (capacity, StaticCache), kept across runs (see new_cache)
 
 
-def new_cache(model, max_len: int | None = None, role: str = "run"):
-    """An empty KV cache for a run: a DynamicCache, or for a compiled model a StaticCache with room for
-    max_len tokens plus one padded pass (a verify pass, with its draft, fits in that too).
+def new_cache(model, max_len: int | None = None, role: str = "run", static: bool = False):
+    """An empty KV cache for a run: a DynamicCache, or a StaticCache with room for max_len tokens plus one padded
+    pass (a verify pass, with its draft, fits in that too) for a compiled model or a strict run (`static`).
 
     A compiled model keeps one static cache per role ("run" for prefill, decode and verify; "draft" for a
     draft model; "measure" for timing passes) and resets it for the next run, as `generate()` does. CUDA
     graphs read the cache at the addresses they were recorded with: a new cache per run would make every
     graph record again inside the timed steps, and pile up recordings. The capacity is rounded up to a
-    power of two, so that a longer run rarely needs a new cache (and new graphs of that shape)."""
+    power of two, so that a longer run rarely needs a new cache (and new graphs of that shape).
+
+    In strict mode the capacity is exactly that rounding of max_len, never a larger cache left by an earlier
+    run: attention then runs over the same number of keys in every pass of the baseline, the speculative run
+    and its draft (later keys masked), so no query's reduction depends on which pass it came in. Over a
+    growing cache, a token at row 3 of a verify pass and the same token alone in a one-token pass reduce over
+    different key counts, and in 16 bits that alone rounds differently."""
     from transformers import DynamicCache, StaticCache
 
-    if getattr(model, "compiled_step", None) is None:
+    if getattr(model, "compiled_step", None) is None and not static:
         return DynamicCache(config=model.config)
     if max_len is None:
-        raise ValueError("a compiled model needs its cache length up front")
+        raise ValueError("a static cache needs its length up front")
     need = max_len + BUCKETS[-1]
-    size, cache = model.static_caches.get(role, (0, None))
-    if size >= need:
+    size = max(256, 1 << (need - 1).bit_length())
+    caches = model.__dict__.setdefault("static_caches", {})
+    have, cache = caches.get(role, (0, None))
+    if have == size or (have > size and not static):
         with torch.inference_mode():  # its tensors were made in inference mode
             cache.reset()
         return cache
-    size = max(256, 1 << (need - 1).bit_length())
     cache = StaticCache(config=model.config, max_cache_len=size)
-    model.static_caches[role] = (size, cache)
+    caches[role] = (size, cache)
     return cache
 
 
-def forward(model, token_ids: list[int], cache, keep: int = 0) -> torch.Tensor:
-    """Feed token_ids after what `cache` holds; return logits (n, V), or the last `keep` rows (keep, V)."""
+def forward(model, token_ids: list[int], cache, keep: int = 0, width: int = 0) -> torch.Tensor:
+    """Feed token_ids after what `cache` holds; return logits (n, V), or the last `keep` rows (keep, V).
+
+    `width` > 0 (strict mode) runs a pass of up to `width` tokens padded to exactly `width` rows, all of whose
+    logits are computed: every such pass then runs the same kernels, so a token's logits do not depend on
+    whether it came in a one-token pass or a verify pass (in 16 bits they otherwise round differently;
+    engine.lossless). Longer inputs (a prompt) run as they are. Padding goes after the real tokens, so
+    causal attention keeps it out of their results; its keys and values are cropped off again."""
     n = len(token_ids)
     step = getattr(model, "compiled_step", None)
     # a cache's first pass runs eagerly: it allocates the cache there, where it can be marked as static for
     # CUDA graphs (inside a compiled pass the tensors would become graph outputs, overwritten by the next replay)
-    if step is None or n > BUCKETS[-1] or not cache.is_initialized:
-        ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)  # (1, n)
+    compiled = step is not None and max(n, width) <= BUCKETS[-1] and cache.is_initialized
+    if compiled:
+        size = next(b for b in BUCKETS if b >= max(n, width))
+    else:
+        size = width if n <= width else n
+    ids = torch.tensor([token_ids + token_ids[-1:] * (size - n)], dtype=torch.long, device=model.device)  # (1, size)
+    if compiled:
+        logits = step(input_ids=ids, cache=cache, use_cache=True).logits[0, :n]  # causal: padding changes nothing
+    elif size == n:
         return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=keep).logits[0]
-    size = next(b for b in BUCKETS if b >= n)
-    ids = torch.tensor([token_ids + token_ids[-1:] * (size - n)], dtype=torch.long, device=model.device)
-    logits = step(input_ids=ids, cache=cache, use_cache=True).logits[0, :n]  # causal: padding changes nothing
+    else:
+        logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0, :n]
     if size > n:
         cache.crop(n - size)  # drop the padding's keys and values
-    return logits[n - keep :].clone() if keep else logits.clone()  # a CUDA graph reuses its output buffer
+    logits = logits[n - keep :] if keep else logits
+    return logits.clone() if compiled else logits  # a CUDA graph reuses its output buffer
 
 
 def time_passes(model, rows, repeats: int = 3, context: int = 64, warmup: int = 1) -> dict[int, float]:
@@ -108,6 +130,32 @@ def time_passes(model, rows, repeats: int = 3, context: int = 64, warmup: int = 
             if round_ >= warmup:
                 best[n] = min(best[n], took)
     return best
+
+
+def time_strict(model, width: int, steps: int = 16, repeats: int = 3, context: int = 64) -> float:
+    """What strict mode costs the baseline: `steps` decode steps as strict mode runs them (`width` rows over a
+    static cache) over the same steps run plainly (one row, a growing cache), best of `repeats`, in turns after
+    a `context`-token prefix. Whole steps, not single passes: on one CPU a single strict pass timed 1.15x a
+    plain one while whole strict runs were as fast as plain ones (the growing cache costs its own)."""
+    clock = Clock(model.device)
+    text = model.config.get_text_config()
+    limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    if limit:
+        context = max(1, min(context, limit - width - steps))
+    room = context + 128 + MAX_GAMMA  # a typical run's capacity
+    prefix = [i % text.vocab_size for i in range(context)]
+    best = {0: float("inf"), width: float("inf")}
+    for round_ in range(repeats + 1):  # the first round untimed
+        for w in best:
+            cache = new_cache(model, room, role="measure-strict" if w else "measure", static=w > 0)
+            forward(model, prefix, cache, keep=1)
+            start = clock.now()
+            for _ in range(steps):
+                forward(model, [1], cache, width=w)
+            took = clock.now() - start
+            if round_:
+                best[w] = min(best[w], took)
+    return best[width] / best[0]
 
 
 def measure_verify_costs(model, max_draft: int, repeats: int = 2, context: int = 64) -> list[float]:
@@ -202,17 +250,20 @@ def emit(stream: TextStream, tokens: list[int], eos: set[int], room: int) -> tup
     return out, [stream.push(t) for t in out], finished
 
 
-def prefill(model, prompt_ids, cfg, generator, stream, eos, max_new_tokens, clock) -> tuple[StepEvent, object]:
-    """Encode the prompt into a fresh cache and choose the first token (both loops start this way)."""
+def prefill(model, prompt_ids, cfg, generator, stream, eos, max_new_tokens, clock, static: bool = False
+            ) -> tuple[StepEvent, object]:  # fmt: skip
+    """Encode the prompt into a fresh cache and choose the first token (both loops start this way). The cache
+    has room for a draft past the last token, as a draft model's cache does (the same capacity in strict mode)."""
     start = clock.now()
-    cache = new_cache(model, len(prompt_ids) + max_new_tokens)
+    cache = new_cache(model, len(prompt_ids) + max_new_tokens + MAX_GAMMA, static=static)
     logits = forward(model, prompt_ids, cache, keep=1)[-1]  # (V,)
     token, p = choose(logits, cfg, generator)
+    top = top_two(logits[None]) if cfg.greedy else []
     forwarded = clock.now()
     tokens, pieces, finished = emit(stream, [token], eos, max_new_tokens)
     end = clock.now()
     event = StepEvent(
-        0, "prefill", tokens, pieces, token=token, token_p=p,
+        0, "prefill", tokens, pieces, token=token, token_p=p, top=top,
         verify_s=forwarded - start, other_s=end - forwarded, elapsed_s=end - start, finished=finished,
     )  # fmt: skip
     return event, cache

@@ -22,13 +22,14 @@ DRAFTERS = ("draft-model", "prompt-lookup", "suffix", "synthetic") + VLLM_ONLY +
 TAKES_DRAFT = ("draft-model", "synthetic", "eagle3")  # use a named draft model (synthetic: for its cost)
 BACKENDS = ("transformers", "vllm", "llama.cpp")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+STRICT = ("auto", "on", "off")  # strict mode: every target pass at one width (engine.runtime.forward)
 
 LABELS = {  # field -> the words a person sees next to it (messages use these)
     "prompt": "prompt", "target": "target model", "drafter": "drafter", "draft": "draft model", "gamma": "gamma",
     "max_new_tokens": "max new tokens", "temperature": "temperature", "top_p": "top-p", "top_k": "top-k",
     "seed": "seed", "chat": "chat template", "dtype": "dtype", "device": "device", "ngram": "n-gram size",
     "alpha": "synthetic alpha", "adaptive": "adaptive gamma", "compile": "compile", "warmup": "warm-up",
-    "backend": "backend", "p_min": "draft confidence stop", "draft_min": "shortest draft",
+    "backend": "backend", "p_min": "draft confidence stop", "draft_min": "shortest draft", "strict": "strict mode",
 }  # fmt: skip
 
 
@@ -59,6 +60,8 @@ class Settings:
     backend: str = "transformers"  # where the comparison runs: this process, vLLM or llama.cpp servers
     p_min: float = 0.0  # draft model: stop drafting when its top probability falls below this (0 = never)
     draft_min: int = 0  # a draft shorter than this is not verified (0 = any length)
+    strict: str = "auto"  # every target pass of both runs at one width, so 16-bit greedy ids are bit-identical:
+    # on, off, or auto (on where it costs a one-token pass no more than the noise, measured per model)
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -118,6 +121,11 @@ class Settings:
                 "another drafter.")
         if not 0 <= self.p_min < 1:
             bad("p_min", f"{self.p_min} is out of range: use 0 (off) up to, not including, 1.")
+        if self.strict not in STRICT:
+            bad("strict", f"{self.strict!r} is unknown: use {', '.join(STRICT)}.")
+        if self.strict == "on" and self.backend != "transformers":
+            bad("strict", "runs on the transformers backend only (vLLM and llama.cpp choose their own kernels): "
+                "set it to auto or off.")
         if not 0 <= self.draft_min <= self.gamma:
             bad("draft_min", f"{self.draft_min} is out of range: use 0 (any) up to gamma ({self.gamma}).")
         self.sampling.validate()

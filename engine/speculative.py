@@ -23,9 +23,11 @@ from typing import Iterator
 import torch
 
 from engine.drafters import Drafter
+from engine.lossless import top_two
 from engine.metrics import StepEvent
 from engine.runtime import Clock, TextStream, emit, forward, prefill
 from engine.sampling import SamplingConfig, verify
+from engine.settings import MAX_GAMMA
 
 
 @torch.inference_mode()  # per resumption: a UI may resume this generator on another thread
@@ -38,14 +40,18 @@ def speculative_decode(
     max_new_tokens: int,
     eos: set[int],
     stop: threading.Event | None = None,
+    width: int = 0,
 ) -> Iterator[StepEvent]:
     """Yield one StepEvent per target pass until EOS, max_new_tokens or `stop`. The drafter sizes each
-    draft (engine.drafters) and hears after each step how much of it the target kept."""
+    draft (engine.drafters) and hears after each step how much of it the target kept. `width`: strict mode,
+    every verify pass padded to that many rows, as the baseline's passes are (engine.runtime.forward); a
+    draft never outgrows it."""
     clock = Clock(target.device)
     generator = cfg.generator(target.device)
     stream = TextStream(tokenizer)
+    drafter.fit(len(prompt_ids) + max_new_tokens + MAX_GAMMA, width)  # a draft cache as large as the target's
     drafter.reset()
-    event, cache = prefill(target, prompt_ids, cfg, generator, stream, eos, max_new_tokens, clock)
+    event, cache = prefill(target, prompt_ids, cfg, generator, stream, eos, max_new_tokens, clock, width > 0)
     elapsed = event.elapsed_s
     yield event
     ids = prompt_ids + event.tokens
@@ -61,12 +67,12 @@ def speculative_decode(
         room = max_new_tokens - produced
         t0 = clock.now()
 
-        # 1. draft: never more than fits, since the target adds one token of its own
-        draft = drafter.draft(ids, room - 1, cfg, generator)
+        # 1. draft: never more than fits, since the target adds one token of its own (nor past the strict width)
+        draft = drafter.draft(ids, min(room, width or room) - 1, cfg, generator)
         t1 = clock.now()
 
         # 2. verify: the last emitted token plus the draft, one target pass
-        logits = forward(target, [ids[-1]] + draft.tokens, cache)  # (gamma+1, V)
+        logits = forward(target, [ids[-1]] + draft.tokens, cache, width=width)  # (gamma+1, V)
         t2 = clock.now()
 
         # 3. accept a prefix of the draft, then the target's own token
@@ -75,6 +81,7 @@ def speculative_decode(
         verdict = verify(drafted, logits, draft.probs, cfg, generator)
         n = verdict.accepted
         tokens, pieces, finished = emit(stream, draft.tokens[:n] + [verdict.token], eos, room)
+        top = top_two(logits[: len(tokens)]) if cfg.greedy else []  # evidence for the lossless verdict
 
         # 4. roll back: the cache now holds [last, x_1..x_k]; keep [last, x_1..x_n]
         if k > n:
@@ -83,6 +90,7 @@ def speculative_decode(
         t3 = clock.now()
 
         rejected = [tokenizer.decode([t]) for t in draft.tokens[n:]]  # for display only: outside the clocks
+        t0 += draft.untimed_s  # a measurement drafter's bookkeeping (engine.drafters.Synthetic) is not drafting
         elapsed += t3 - t0
         ids += tokens
         produced += len(tokens)
@@ -93,5 +101,5 @@ def speculative_decode(
             drafted=draft.tokens, p=verdict.p, q=verdict.q, accepted=n, rejected_pieces=rejected,
             token=verdict.token if len(tokens) > n else None, token_p=verdict.token_p,
             draft_s=t1 - t0, verify_s=t2 - t1, other_s=t3 - t2, elapsed_s=elapsed,
-            draft_passes=draft.passes, draft_note=draft.note, finished=finished,
+            draft_passes=draft.passes, draft_note=draft.note, top=top, finished=finished,
         )  # fmt: skip

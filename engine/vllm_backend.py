@@ -225,7 +225,11 @@ class VLLM:
     def _stream(self, role: str, ids: list[int], s: Settings, stop) -> Iterator[StepEvent]:
         """One streamed completion as StepEvents: a chunk is a step; the last chunk's per-step counts then
         correct what each step drafted."""
-        request = self._request(role, ids, s, stream_options={"include_usage": True}, skip_special_tokens=False)
+        # greedy: the two best log-probabilities of every token, ids as "token_id:N", the evidence of the
+        # lossless verdict (engine.lossless)
+        scores = {"logprobs": 2, "return_tokens_as_token_ids": True} if s.sampling.greedy else {}
+        request = self._request(role, ids, s, stream_options={"include_usage": True}, skip_special_tokens=False,
+                                **scores)  # fmt: skip
         stream, steps, metrics = TextStream(self.tokenizer), [], None
         started = time.perf_counter()
         last = started
@@ -251,7 +255,7 @@ class VLLM:
                 event = StepEvent(
                     step, "prefill" if step == 0 else "bonus" if accepted else "target", tokens, pieces,
                     drafted=tokens[:accepted], accepted=accepted, token=tokens[-1], verify_s=now - last,
-                    elapsed_s=now - started, finished=finished,
+                    elapsed_s=now - started, finished=finished, top=_top_two(choice.get("logprobs"), len(tokens)),
                 )  # fmt: skip
                 last = now
                 steps.append(event)
@@ -345,3 +349,13 @@ def _raw(backend: VLLM, role: str, ids: list[int], s: Settings) -> float:
                     now = time.perf_counter()
                     first, last, tokens = first or now, now, tokens + n
     return (tokens - 1) / (last - first) if tokens > 1 and last > first else 0.0
+
+
+def _top_two(logprobs: dict | None, n: int) -> list:
+    """Per token of a chunk, [first id, its log-probability, second id, its log-probability] from vLLM's
+    top_logprobs ({"token_id:N": logprob}); [] where the chunk carries none."""
+    records = []
+    for best in (logprobs or {}).get("top_logprobs") or []:
+        ranked = sorted(((int(k.split(":")[-1]), v) for k, v in (best or {}).items()), key=lambda kv: -kv[1])
+        records.append([ranked[0][0], ranked[0][1], ranked[1][0], ranked[1][1]] if len(ranked) >= 2 else None)
+    return records if len(records) == n else []

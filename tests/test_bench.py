@@ -77,7 +77,7 @@ def test_predictor_formulas_against_hand_computed_values():
 
 def _sample(gamma, alpha, speedup, c=0.1, verify=1.2):
     drafted = 100 * gamma
-    return Sample(0, 0, "AB", 10.0, 10.0 * speedup, speedup, alpha, 1 + gamma * alpha, 50, True,
+    return Sample(0, 0, "AB", 10.0, 10.0 * speedup, speedup, alpha, 1 + gamma * alpha, 50, True, "identical",
                   baseline_step_s=0.1, draft_token_s=0.1 * c, verify_pass_s=0.1 * verify,
                   drafted=drafted, accepted=round(drafted * alpha),
                   positions=[[100, round(100 * alpha)] for _ in range(gamma)])  # fmt: skip

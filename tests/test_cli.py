@@ -47,7 +47,7 @@ def test_cli_sampled_run_reports_identical_as_null(model_dirs, capsys):
 def test_cli_prints_a_readable_summary(model_dirs, capsys):
     assert main(["run", "--target", model_dirs["target"], "--prompt", "xyz xyz", "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
-    assert "speedup" in out and "outputs identical: yes" in out
+    assert "speedup" in out and "lossless: outputs identical (lossless)" in out
 
 
 @pytest.mark.parametrize(

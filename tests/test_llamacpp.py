@@ -75,6 +75,7 @@ def test_greedy_speculation_on_llama_cpp_is_lossless_and_its_counts_add_up(serve
     assert env["backend"] == "llama.cpp" and env["llama_cpp"] == f"b{llamacpp.BUILD}"
     assert llamacpp.SPEC_TYPES[drafter] in env["spec_flags"]
     assert c.identical is True and c.baseline.text == c.speculative.text and c.speculative.metrics.new_tokens > 8
+    assert c.verdict.kind == "identical"
     assert "<|im_end|>" not in c.speculative.text  # the end-of-turn token is an id, not text
     spec, decode = c.speculative, c.speculative.steps[1:]
     # each step: the drafts the target kept, then its own token; the totals are the server's own

@@ -12,6 +12,7 @@ import pytest
 
 from engine.compare import compare
 from engine.errors import UserError
+from engine.lossless import tops
 from engine.servers import POOL
 from engine.settings import Settings
 
@@ -43,6 +44,10 @@ def test_greedy_vllm_speculation_is_lossless_and_its_counts_add_up(vllm_python):
     c = compare(settings(), REWRITE)
     assert c.environment["backend"] == "vllm" and c.environment["speculative_config"]["method"] == "ngram"
     assert c.identical is True and c.baseline.text == c.speculative.text and c.speculative.metrics.new_tokens > 8
+    # the two best log-probabilities of every token of both runs, the evidence where greedy runs part
+    assert c.verdict.kind == "identical"
+    for run in (c.baseline, c.speculative):
+        assert all(r is not None and r[0] == t for r, t in zip(tops(run.steps), run.token_ids))
     spec = c.speculative
     decode = spec.steps[1:]
     # every step: the drafts the target kept, then its own token; vLLM's per-step record lines up with the stream
