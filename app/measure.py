@@ -12,12 +12,14 @@ On a shared 2-core VM single pairs range ±30%: fewer than ~16 pairs cannot tell
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 from gradio_client import Client
 
@@ -32,12 +34,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m app.measure")
     parser.add_argument("--repeats", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--settings", help="the comparison's settings as JSON (default: the bundled model, prompt "
+                        "lookup, gamma 4, greedy)")
+    parser.add_argument("--prompt", help="default: the first rewriting prompt of the task suite")
+    parser.add_argument("--json", metavar="PATH", help="write every pair's ratios as JSON")
     args = parser.parse_args()
-    prompt = presets.tasks()["categories"]["rewriting"]["prompts"][0]
+    prompt = args.prompt or presets.tasks()["categories"]["rewriting"]["prompts"][0]
+    if args.settings:
+        settings = Settings(**json.loads(args.settings))
+    else:
+        settings = Settings(drafter="prompt-lookup", gamma=4, max_new_tokens=args.max_new_tokens, seed=0, chat=True)
     port = free_port()
     env = dict(os.environ, GRADIO_SERVER_NAME="127.0.0.1", GRADIO_SERVER_PORT=str(port))
     server = subprocess.Popen([sys.executable, "app.py"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}/"
+    try:
+        ratios = measure(f"http://127.0.0.1:{port}/", settings, prompt, args.repeats)
+    finally:
+        server.terminate()
+    for side, values in ratios.items():
+        print(f"{side} tokens/s, API / engine: median {statistics.median(values):.3f} "
+              f"(min {min(values):.3f}, max {max(values):.3f}, {len(values)} pairs)")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({"settings": settings.to_dict(), "prompt": prompt, "ratios": ratios}))
+
+
+def measure(url: str, settings: Settings, prompt: str, repeats: int) -> dict[str, list[float]]:
+    """Pairs of the same comparison, through the engine in this process and through the app's API, their order
+    alternating; the API / engine tokens/s of each side per pair. The device and compile stay the app's."""
     while True:
         try:
             urllib.request.urlopen(url, timeout=2)
@@ -45,10 +68,9 @@ def main() -> None:
         except OSError:
             time.sleep(0.5)
     client = Client(url, verbose=False)
-    settings = Settings(drafter="prompt-lookup", gamma=4, max_new_tokens=args.max_new_tokens, seed=0, chat=True)
     api_args = {"prompt": prompt} | {name: getattr(settings, name) for name in API_FIELDS}
     ratios: dict[str, list[float]] = {"speculative": [], "baseline": []}
-    for r in range(args.repeats):
+    for r in range(repeats):
         for first in ("engine", "api") if r % 2 == 0 else ("api", "engine"):
             if first == "engine":
                 engine = compare(settings, prompt).to_dict(with_steps=False)
@@ -57,10 +79,7 @@ def main() -> None:
         for side in ratios:
             ratios[side].append(api[side]["metrics"]["tokens_per_s"] / engine[side]["metrics"]["tokens_per_s"])
         print(f"repeat {r + 1}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in ratios.items()))
-    for side, values in ratios.items():
-        print(f"{side} tokens/s, API / engine: median {statistics.median(values):.3f} "
-              f"(min {min(values):.3f}, max {max(values):.3f}, {len(values)} pairs)")  # fmt: skip
-    server.terminate()
+    return ratios
 
 
 if __name__ == "__main__":

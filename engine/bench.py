@@ -140,7 +140,8 @@ class Session:
 
     def __init__(self, base: Settings, progress: Progress = _quiet, stop: threading.Event | None = None):
         self.base = base.validate()
-        self.progress, self.stop = progress, stop
+        self._progress, self.stop = progress, stop
+        self.at = (0, 1)  # the last (done, total) reported: a status line in between keeps the bar where it is
         from engine.suffix import SuffixMemory
 
         self.memory = SuffixMemory()  # the suffix drafter's: a cell's earlier prompts (sweep clears it per cell)
@@ -149,6 +150,14 @@ class Session:
         self.environment = self.backend.environment
         self._references: dict[tuple, list[int]] = {}
         self._warm: set[tuple] = set()
+
+    def progress(self, done: int, total: int, what: str) -> None:
+        self.at = (done, total)
+        self._progress(done, total, what)
+
+    def say(self, what: str) -> None:
+        """A status line (a compile step of the warm-up, say) without moving the progress bar."""
+        self._progress(*self.at, what)
 
     def ready_for(self, s: Settings) -> "Session":
         """The backend is opened again when a cell needs what it does not serve: a draft model that only a
@@ -184,7 +193,8 @@ class Session:
         key = (prompt, s.drafter, s.gamma, s.temperature, s.p_min)
         with guarded():
             if key not in self._warm:
-                warm_up(self.backend, ids, s)
+                for status in warm_up(self.backend, ids, s):
+                    self.say(status.message)
                 self._warm.add(key)
             samples = []
             for r in range(repeats):
@@ -244,7 +254,8 @@ def sweep(
         session.memory.clear()  # each cell's prompts start from the same (empty) session
         stops = f", confidence stop {p_min:g}" if p_min else ""
         for i, (category, prompt) in enumerate(flat):
-            progress(done, total, f"{drafter}, gamma {gamma}, temperature {temperature}{stops}: {category} {i + 1}")
+            session.progress(done, total, f"{drafter}, gamma {gamma}, temperature {temperature}{stops}: "
+                             f"{category} {i + 1}")  # fmt: skip
             samples += session.ab(_cell_settings(base, drafter, gamma, temperature, p_min), prompt, i, repeats)
             done += 1
         categories = [c for c, _ in flat for _ in range(repeats)]

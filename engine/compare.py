@@ -10,6 +10,7 @@ and a stopped comparison is never checked for identity or turned into a speedup.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -102,11 +103,28 @@ def result_of(events: Iterator[Event]) -> RunResult:
     return [e for e in events if isinstance(e, RunDone)][-1].result
 
 
-def warm_up(backend, ids: list[int], s: Settings) -> None:
-    """A few tokens of each kind of run, so the timed runs see warm caches, allocators and kernels."""
-    warm = replace(s, max_new_tokens=min(8, s.max_new_tokens))
-    result_of(run("baseline", backend.baseline(ids, warm), backend.decode))
-    result_of(run("speculative", backend.speculative(ids, warm, []), backend.decode))
+WARM_STEPS = 8  # steps of each kind of run in a warm-up
+
+
+def warm_up(backend, ids: list[int], s: Settings) -> Iterator[Status]:
+    """Compile what the runs need (a compiled model), then a few steps of each kind of run, so the timed runs
+    see warm caches, allocators and kernels. In-process runs warm up at the timed runs' own size and stop
+    after WARM_STEPS steps: a static cache (strict mode, compile) has the capacity of the run, and a warm-up
+    on a shorter one would leave the timed run to allocate its own (and record new CUDA graphs for it) while
+    its clocks run. A server is asked for WARM_STEPS tokens instead: closing its stream early would leave it
+    generating into the timed run."""
+    if hasattr(backend, "prepare"):
+        yield from backend.prepare(ids, s)
+    runs = {"baseline": backend.baseline, "speculative": lambda ids, s: backend.speculative(ids, s, [])}
+    for mode, start in runs.items():
+        if hasattr(backend, "prepare"):
+            steps = start(ids, s)
+            for _ in itertools.islice(steps, WARM_STEPS):
+                pass
+            steps.close()
+        else:
+            result_of(run(mode, start(ids, replace(s, max_new_tokens=min(WARM_STEPS, s.max_new_tokens))),
+                          backend.decode))  # fmt: skip
 
 
 def open_backend(s: Settings):
@@ -131,7 +149,7 @@ def stream_compare(s: Settings, prompt: str, stop: threading.Event | None = None
         started = time.time()
         if s.warmup:
             yield Status("warming up")
-            warm_up(backend, ids, s)
+            yield from warm_up(backend, ids, s)
         yield RunStarts("baseline")
         load = OtherLoad()
         baseline = None

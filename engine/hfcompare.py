@@ -128,7 +128,7 @@ def compare_hf(base: Settings, prompts: list[str], repeats: int = 3, progress: P
             runners[name]()
         for r in range(repeats):
             session.check_stop()
-            progress(i * repeats + r, total, f"prompt {i + 1}, repeat {r + 1}")
+            session.progress(i * repeats + r, total, f"prompt {i + 1}, repeat {r + 1}")
             order = CONTENDERS[r % 4 :] + CONTENDERS[: r % 4]
             got = {name: runners[name]() for name in order}
             rows.append(_row(i, r, order, got))

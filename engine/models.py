@@ -353,6 +353,9 @@ def _load(
     with torch.inference_mode():  # what one decode step costs right now: the yardstick for suspect runs
         step_s = time_passes(model, (1,))[1]
     if compile:
+        # compiled graphs are kept between processes (inductor's FX graph and AOT autograd caches are on by
+        # default): in the cache folder rather than /tmp, which a restart or a Space's rebuild empties
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
         compile_decoding(model)
     took = time.perf_counter() - start
     return LoadedModel(source.spec, model, tokenizer, device, dtype, took, params, vocab, packed, compile,

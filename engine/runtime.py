@@ -6,6 +6,7 @@ Kept apart so both loops read the same way and time the same way.
 from __future__ import annotations
 
 import time
+from typing import Iterator
 
 import torch
 
@@ -32,16 +33,57 @@ class Clock:
 BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
+class CompiledStep:
+    """model.forward through torch.compile, remembering what the first pass of each shape cost: that pass
+    compiles (seconds to a minute cold, less from the compile cache), so a UI can say so."""
+
+    def __init__(self, model, backend: str, mode: str | None):
+        self.fn = torch.compile(model.forward, backend=backend, mode=mode, dynamic=False)
+        self.clock = Clock(model.device)
+        self.first: dict[tuple, float] = {}  # (rows, cache capacity) -> seconds of its first (compiling) pass
+
+    def __call__(self, **kwargs):
+        key = (kwargs["input_ids"].shape[1], getattr(kwargs.get("cache"), "max_cache_len", None))
+        if key in self.first:
+            return self.fn(**kwargs)
+        start = self.clock.now()
+        out = self.fn(**kwargs)
+        self.first[key] = self.clock.now() - start
+        return out
+
+
 def compile_decoding(model, backend: str = "inductor", mode: str | None = "reduce-overhead") -> None:
     """Run this model's decode and verify passes through torch.compile over a static KV cache (with the
     default mode on CUDA: CUDA graphs, which remove the per-kernel launch cost of small batches). Each
-    bucket compiles on its first use; the warm-up run pays for the common ones."""
+    bucket compiles on its first use; `precompile` pays for the ones a run needs before it is timed."""
     # dynamo counts recompilations per code object, and every model of a class shares its forward's: leave
     # room for all buckets of a target and its draft at a few cache capacities, or it falls back to eager
     # without a word
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16 * len(BUCKETS))
-    model.compiled_step = torch.compile(model.forward, backend=backend, mode=mode, dynamic=False)
+    model.compiled_step = CompiledStep(model, backend, mode)
     model.static_caches = {}  # role -> (capacity, StaticCache), kept across runs (see new_cache)
+
+
+def bucket(rows: int) -> int:
+    """The pass size a compiled model runs `rows` tokens at (longer passes run eagerly)."""
+    return next((b for b in BUCKETS if b >= rows), rows)
+
+
+def precompile(model, rows, max_len: int, role: str = "run", static: bool = False) -> Iterator[tuple[int, float]]:
+    """Compile, and record as CUDA graphs, the passes of each of `rows` tokens a run will make, on the very cache
+    that run will use (CUDA graphs read it at the addresses they were recorded with); yields (bucket, seconds)
+    per bucket as it is done. Three passes each: dynamo compiles on the first, CUDA graph trees warm up on the
+    second and record on the third."""
+    clock = Clock(model.device)
+    cache = new_cache(model, max_len, role=role, static=static)
+    forward(model, [0], cache, keep=1)  # a cache's first pass is eager: it allocates the cache
+    for size in sorted({bucket(n) for n in rows if n <= BUCKETS[-1]}):
+        start = clock.now()
+        for _ in range(3):
+            forward(model, [0] * size, cache)
+            cache.crop(-size)
+        yield size, clock.now() - start
+    cache.reset()
 
 
 def new_cache(model, max_len: int | None = None, role: str = "run", static: bool = False):
@@ -92,7 +134,7 @@ def forward(model, token_ids: list[int], cache, keep: int = 0, width: int = 0) -
     # CUDA graphs (inside a compiled pass the tensors would become graph outputs, overwritten by the next replay)
     compiled = step is not None and max(n, width) <= BUCKETS[-1] and cache.is_initialized
     if compiled:
-        size = next(b for b in BUCKETS if b >= max(n, width))
+        size = bucket(max(n, width))
     else:
         size = width if n <= width else n
     ids = torch.tensor([token_ids + token_ids[-1:] * (size - n)], dtype=torch.long, device=model.device)  # (1, size)

@@ -506,3 +506,36 @@ def test_every_torch_pass_of_a_comparison_runs_on_the_engine_thread(model_dirs):
     finally:
         hook.remove()
     assert seen == {ENGINE.name}
+
+
+def test_a_compiled_pair_compiles_what_its_runs_need_in_the_warm_up_and_says_so(model_dirs):
+    """Every pass size the timed runs make is compiled (and on a GPU recorded) before they start, on the caches
+    they use, each step reported with its time; the timed runs then compile nothing. The eager backend stands in
+    for inductor and CUDA graphs, which need a GPU."""
+    from engine.backends import Pair, Transformers
+    from engine.compare import result_of, run, warm_up
+    from engine.events import Status
+    from engine.models import MODELS
+    from engine.runtime import compile_decoding
+    from engine.settings import Settings
+
+    for strict, expected in (("off", {1, 2, 4, 8}), ("on", {8})):
+        MODELS.clear()
+        s = Settings(target=model_dirs["target"], drafter="draft-model", draft=model_dirs["draft"], gamma=4,
+                     max_new_tokens=24, strict=strict, seed=0)  # fmt: skip
+        backend = Transformers()
+        target, draft = MODELS.get(s.target), MODELS.get(s.draft)
+        for loaded in (target, draft):
+            compile_decoding(loaded.model, backend="eager", mode=None)
+        backend.pair = Pair(target, draft)
+        ids = backend.encode("a prompt, a prompt", s)
+        said = [e.message for e in warm_up(backend, ids, s) if isinstance(e, Status)]
+        assert any("compiling the target's passes" in m for m in said)
+        compiled = {m.split("'s ")[1].split("-token")[0] for m in said if m.startswith("compiled the target")}
+        assert {int(n) for n in compiled} == expected  # strict: one width, one graph (gamma 4: 5 rows, bucket 8)
+        before = {name: dict(m.model.compiled_step.first) for name, m in (("t", target), ("d", draft))}
+        base = result_of(run("baseline", backend.baseline(ids, s), backend.decode))
+        spec = result_of(run("speculative", backend.speculative(ids, s, []), backend.decode))
+        assert base.token_ids == spec.token_ids
+        assert {name: dict(m.model.compiled_step.first) for name, m in (("t", target), ("d", draft))} == before
+    MODELS.clear()
