@@ -26,7 +26,7 @@ from engine.errors import UserError, blame
 from engine.events import Done, Event, RunDone, RunStarts, Status, Step
 from engine.metrics import RunResult, summarise
 from engine.models import MODELS
-from engine.settings import TAKES_DRAFT, Settings, check_prompt
+from engine.settings import LABELS, TAKES_DRAFT, Settings, check_prompt
 from engine.suffix import memory_for
 
 log = logging.getLogger("specarena")
@@ -104,6 +104,7 @@ class Live:
     comparison: Comparison | None = None
     running: str | None = None
     number: int = 0  # this session's run number, shown in the status line
+    error: UserError | None = None  # what made the run fail, if it did
     started: float = field(default_factory=time.monotonic)
 
     def add(self, event: Event) -> None:
@@ -126,7 +127,10 @@ class Live:
         return summarise(mode, self.steps[mode], "") if self.steps[mode] else None
 
     def status_line(self) -> str:
-        return " · ".join(part for part in (f"run {self.number}" if self.number else "", self.status) if part)
+        """The one-line status as HTML; a failure's detail (a server's log) folded under it."""
+        text = " · ".join(part for part in (f"run {self.number}" if self.number else "", self.status) if part)
+        error = self.error
+        return render.status_line(text, error.detail if error else "", error=error is not None)
 
     def outputs(self, chart: bool = True) -> tuple:
         """(status, baseline pane, speculative pane, summary, chart); chart=False leaves the chart as it is."""
@@ -165,7 +169,7 @@ def history_row(s: Settings, status: str, c: Comparison | None = None) -> list:
     row = [time.strftime("%H:%M:%S"), status, s.target, s.drafter, s.draft, s.gamma, s.temperature,
            s.max_new_tokens]  # fmt: skip
     if c is None or c.speedup is None:
-        return row + [None, None, None, None, c.verdict.kind if c and c.verdict else None]
+        return row + [None, None, None, None, None]  # failed or stopped: nothing measured, nothing compared
     sm, b = c.speculative.metrics, c.baseline.metrics
     acceptance = None if sm.acceptance_rate is None else round(sm.acceptance_rate, 3)
     return row + [round(c.speedup, 3), acceptance, round(b.tokens_per_s, 2), round(sm.tokens_per_s, 2),
@@ -198,26 +202,48 @@ def api_result(c: Comparison | None) -> dict:
 
 
 def _error(exc: UserError) -> gr.Error:
-    """The message for the API caller (the UI shows it on the field and in the status line)."""
+    """The message for an API caller. The page shows it once, where it belongs (under the field at fault, or in
+    the status line), so no toast repeats it."""
     where = f" (field: {exc.field})" if exc.field else ""
-    return gr.Error(f"{exc}{where}", visible=exc.field is None)
+    return gr.Error(f"{exc}{where}", visible=False)
+
+
+# Where each setting sits in the sidebar (fields not named here sit at its top, always in view); a field error
+# opens the sidebar and the field's group, so that the message under the field is seen.
+GROUPS = ("speculation", "sampling", "numerics")
+GROUP_OF = {"gamma": "speculation", "adaptive": "speculation", "ngram": "speculation", "p_min": "speculation",
+            "draft_min": "speculation", "alpha": "speculation", "max_new_tokens": "sampling",
+            "temperature": "sampling", "top_p": "sampling", "top_k": "sampling", "seed": "sampling",
+            "dtype": "numerics", "strict": "numerics", "chat": "numerics"}  # fmt: skip
+
+
+def reveal(field: str | None) -> tuple:
+    """Updates for (the sidebar, each group): open those that hold `field`, leave the rest as they are."""
+    group = GROUP_OF.get(field or "")
+    sidebar = gr.update(open=True) if field and field != "prompt" else gr.skip()
+    return (sidebar, *(gr.update(open=True) if g == group else gr.skip() for g in GROUPS))
 
 
 def compare(prompt, history, request: gr.Request, **form):
-    """Run baseline then speculative and stream both. Yields (result, status, panes, summary, chart,
-    history, history table, downloads, field error)."""
+    """Run baseline then speculative and stream both. Yields (result, status, panes, summary, chart, history,
+    history table, downloads, field error, run-again button, sidebar, groups)."""
     history = list(history or [])
     skip = (gr.skip(),) * 7
+    keep = (gr.skip(),) * (2 + len(GROUPS))  # run-again button, sidebar, groups: as they are
     try:
         check_prompt(prompt)
         s = settings_from(**form)
-    except UserError as exc:  # nothing ran: mark the field, count no run
-        yield (gr.skip(), f"not started: {exc}", *skip, render.field_error(exc))
+    except UserError as exc:  # nothing ran: mark the field (the message sits under it), count no run
+        label = LABELS.get(exc.field, exc.field) if exc.field else ""
+        text = f"not started: check {label}, as marked" if label else f"not started: {exc}"
+        yield (gr.skip(), render.status_line(text, error=True), *skip, render.field_error(exc), gr.skip(),
+               *reveal(exc.field))  # fmt: skip
         raise _error(exc) from None
     session = session_of(request)
     stop = STOPS.start(session)
     live, last_text, last_chart = Live(number=len(history) + 1), 0.0, 0.0
-    yield (gr.skip(), live.status_line() + " · starting", *skip, "")
+    live.status = "starting"
+    yield (gr.skip(), live.status_line(), *skip, "", gr.update(visible=False), *keep[1:])
     try:
         for event in stream_compare(s, prompt, stop, memory=memory_for(session)):
             live.add(event)
@@ -226,27 +252,29 @@ def compare(prompt, history, request: gr.Request, **form):
             if not streaming or now - last_text >= RENDER_EVERY:
                 chart = now - last_chart >= CHART_EVERY if streaming else not isinstance(event, (RunStarts, RunDone))
                 last_text, last_chart = now, now if chart else last_chart
-                yield (gr.skip(), *live.outputs(chart), *skip[:4])
+                yield (gr.skip(), *live.outputs(chart), *skip[:4], *keep)
             if isinstance(event, RunStarts):
                 time.sleep(SETTLE)  # the run's clocks start when the next event is asked for
     except Exception as exc:  # noqa: BLE001 - the app must keep serving
         if not isinstance(exc, UserError):
             log.exception("comparison failed")
             exc = UserError(f"the run failed unexpectedly ({type(exc).__name__}: {exc}); the app is still running.")
-        live.status = f"failed: {exc}"
+        live.status, live.error = f"failed: {exc}", exc
         history.append(history_row(s, "failed"))
-        yield (gr.skip(), *live.outputs(), history, history, write_downloads(None, history), render.field_error(exc))
+        yield (gr.skip(), *live.outputs(), history, history, write_downloads(None, history),
+               render.field_error(exc) if exc.field else "", gr.skip(), *reveal(exc.field))  # fmt: skip
         raise _error(exc) from None
     finally:
         STOPS.finish(session, stop)
     c = live.comparison
     history.append(history_row(s, c.status + (" (suspect)" if c.suspect else ""), c))
-    yield (api_result(c), *live.outputs(), history, history, write_downloads(c, history), "")
+    yield (api_result(c), *live.outputs(), history, history, write_downloads(c, history), "",
+           gr.update(visible=bool(c.suspect)), *keep[1:])  # fmt: skip
 
 
 def stop(request: gr.Request) -> str:
     stopped = STOPS.stop(session_of(request))
-    return "stopping after the current step…" if stopped else "nothing is running"
+    return render.status_line("stopping after the current step…" if stopped else "nothing is running")
 
 
 def forget(request: gr.Request) -> str:
@@ -254,12 +282,13 @@ def forget(request: gr.Request) -> str:
     memory = memory_for(session_of(request))
     tokens = len(memory)
     memory.clear()
-    return f"suffix memory cleared: {tokens} tokens of earlier runs forgotten"
+    return render.status_line(f"suffix memory cleared: {tokens} tokens of earlier runs forgotten")
 
 
 def clear():
-    """Empty panes, summary, chart, status and field marks; the prompt and the history stay."""
-    return ({}, *Live().outputs(), "")
+    """Empty panes, summary, chart, status and field marks, and hide run-again; the prompt and the history
+    stay."""
+    return ({}, *Live().outputs(), "", gr.update(visible=False))
 
 
 PRESET_FIELDS = ("target", "drafter", "draft", "gamma", "dtype", "alpha")

@@ -1,4 +1,5 @@
-"""The page: layout in `build_layout`, event wiring in `wire`, both called by `build_demo`."""
+"""The page: the settings sidebar (`build_settings`), the Playground (`build_playground`), event wiring (`wire`),
+all called by `build_demo`."""
 
 from __future__ import annotations
 
@@ -41,100 +42,104 @@ def target_info() -> str:
     return f"Hub id (org/name[@rev]){where}, {BUNDLED} or random:<shape>; llama.cpp: org/repo/file.gguf"
 
 
-INTRO = """# SpecArena
-**Speculative decoding, side by side.** A draft proposes γ tokens, the target checks them all in one pass.
-It is *lossless*: with greedy decoding both panes must show the same text; with sampling the speculative
-text follows exactly the target's distribution. Only the time changes. Baseline and speculative run one
-after the other on the same device, after a warm-up, so the numbers are honest."""
+INTRO = """<div id="intro"><b>SpecArena</b> · speculative decoding, side by side: a draft proposes γ tokens, the
+target checks them all in one pass. <i>Lossless</i>: greedy panes must match token for token; only the time
+changes. Both runs take turns on one device after a warm-up. The settings are in the sidebar.</div>"""
 
 
-def build_layout() -> SimpleNamespace:
-    """The Playground. `ui.form` holds one widget per setting a user may set, keyed by its Settings name."""
-    ui = SimpleNamespace()
+def number(value, label: str, info: str = "", **extra) -> gr.Number:
+    """A number field without bounds of its own: a value out of range reaches the same check the API makes and
+    is refused under the field with its message (a slider would change it without a word)."""
+    return gr.Number(value, label=label, info=info or None, **extra)
+
+
+def build_settings(ui: SimpleNamespace) -> None:
+    """The sidebar: preset, the pair, and the parameters in groups, the common ones open. `ui.form` holds one
+    widget per setting a user may set, keyed by its Settings name; handlers.GROUP_OF says which group holds it."""
     default = presets.pairs()[0]
-    gr.Markdown(INTRO)
     form: dict[str, gr.components.Component] = {}
 
-    def widget(name: str, component):
+    def widget(name: str, component, group: str = "pair"):
+        if handlers.GROUP_OF.get(name, "pair") != group:
+            raise RuntimeError(f"{name} is laid out in {group}, but handlers.GROUP_OF says otherwise")
         form[name] = component
         return component
 
-    with gr.Row(equal_height=False, elem_id="play-row"):
-        with gr.Column(scale=1, min_width=300, elem_id="form-col"):
-            ui.preset = gr.Dropdown([p["name"] for p in presets.pairs()], value=default["name"], label="preset")
-            ui.preset_note = gr.Markdown(f"{default['note']}  \n*Measured on:* {default['measured_on']}")
-            widget("backend", gr.Radio(BACKENDS, value="transformers", label="backend",
-                                       info="where both runs happen; vLLM needs SPECARENA_VLLM_PYTHON or its URLs, "
-                                       "llama.cpp a llama-server (README)"))
-            widget("target", gr.Textbox(BUNDLED, label="target model", info=target_info()))
-            widget("drafter", gr.Radio(DRAFTERS, value=default["drafter"], label="drafter"))
-            widget("draft", gr.Textbox(
-                default["draft"], label="draft model",
-                info="best with the target's tokenizer; another one works through text (Check pair says); with "
-                "synthetic α, its passes run for their cost",
-            ))  # fmt: skip
-            with gr.Row():
-                ui.check = gr.Button("Check pair", size="sm", elem_id="check-pair")
-                ui.forget = gr.Button("Clear suffix memory", size="sm", elem_id="forget")
-            ui.doctor = gr.Markdown(elem_id="doctor")
-            with gr.Accordion("parameters", open=False, elem_id="parameters"):
-                widget("temperature", gr.Slider(0, 2, value=0, step=0.05, label="temperature", info="0 = greedy"))
-                widget("top_p", gr.Slider(0.01, 1, value=1, step=0.01, label="top-p"))
-                widget("top_k", gr.Number(0, precision=0, minimum=0, label="top-k (0 = off)"))
-                widget("max_new_tokens", gr.Slider(1, max_new_tokens_cap(), value=128, step=1, label="max new tokens"))
-                gamma = gr.Slider(1, MAX_GAMMA, value=default["gamma"], step=1, label="γ: draft tokens per step")
-                widget("gamma", gamma)
-                widget("adaptive", gr.Checkbox(
-                    False,
-                    label="adaptive γ (up to 16)",
-                    info="prompt lookup sizes each draft from the measured cost of a verify pass and what held so "
-                    "far; a draft model starts at γ and goes +2 after a fully accepted draft, -1 after a miss",
-                ))  # fmt: skip
-                widget("p_min", gr.Slider(0, 0.95, value=0, step=0.05, label="draft model: confidence stop",
-                                          info="stop drafting where the draft's top probability falls below this "
-                                          "(0 = off)"))  # fmt: skip
-                widget("draft_min", gr.Slider(0, MAX_GAMMA, value=0, step=1, label="shortest draft",
-                                              info="drafts shorter than this are not verified (0 = any)"))  # fmt: skip
-                widget("seed", gr.Number(0, precision=0, label="seed (-1 = random)"))
-                widget("chat", gr.Checkbox(True, label="chat template (when the target has one)"))
-                widget("dtype", gr.Dropdown(list(DTYPES), value="auto", label="dtype"))
-                widget("strict", gr.Radio(list(STRICT), value="auto", label="strict mode",
-                                          info="every target pass of both runs at one width, so that even 16-bit "
-                                          "greedy ids are bit-identical; auto: on in 16 bits where it costs a "
-                                          "one-token pass no more than the noise (measured)"))  # fmt: skip
-                widget("ngram", gr.Slider(1, 8, value=3, step=1, label="prompt lookup: longest n-gram"))
-                widget("alpha", gr.Slider(0, 1, value=0.8, step=0.05, label="synthetic drafter: α"))
-        with gr.Column(scale=2, min_width=300, elem_id="prompt-col"):
-            default_prompt = presets.tasks()["categories"]["rewriting"]["prompts"][0]
-            ui.prompt = gr.Textbox(default_prompt, lines=5, label="prompt", elem_id=render.field_id("prompt"))
-            with gr.Row(elem_id="run-row"):
-                ui.run = gr.Button("Run", variant="primary", elem_id="run", min_width=80)
-                ui.stop = gr.Button("Stop", variant="stop", elem_id="stop", min_width=80)
-                ui.clear = gr.Button("Clear", elem_id="clear", min_width=80)
-            ui.form_error = gr.HTML("", elem_id="form-error", padding=False)
-            ui.status = gr.Markdown("", label="status", elem_id="status")
-            gr.Examples(
-                [[presets.tasks()["categories"][c]["prompts"][i]] for c, i, _ in EXAMPLES],
-                inputs=[ui.prompt],
-                example_labels=[label for _, _, label in EXAMPLES],
-                label="examples",
-            )
+    ui.preset = gr.Dropdown([p["name"] for p in presets.pairs()], value=default["name"], label="preset")
+    ui.preset_note = gr.Markdown(f"{default['note']}  \n*Measured on:* {default['measured_on']}",
+                                 elem_id="preset-note")  # fmt: skip
+    widget("backend", gr.Dropdown(BACKENDS, value="transformers", label="backend",
+                                  info="vLLM needs SPECARENA_VLLM_PYTHON or its URLs, llama.cpp a llama-server"))
+    widget("target", gr.Textbox(BUNDLED, label="target model", info=target_info()))
+    widget("drafter", gr.Dropdown(DRAFTERS, value=default["drafter"], label="drafter"))
+    widget("draft", gr.Textbox(default["draft"], label="draft model", info="best with the target's tokenizer; "
+                               "another works through text; synthetic α runs its passes for their cost"))
+    with gr.Row():
+        ui.check = gr.Button("Check pair", size="sm", elem_id="check-pair")
+        ui.forget = gr.Button("Clear suffix memory", size="sm", elem_id="forget")
+    ui.doctor = gr.Markdown(elem_id="doctor")
+    ui.accordions = {}
+    with gr.Accordion("speculation", open=True, elem_id="group-speculation") as ui.accordions["speculation"]:
+        widget("gamma", number(default["gamma"], f"γ: draft tokens per step (1-{MAX_GAMMA})", precision=0),
+               "speculation")  # fmt: skip
+        widget("adaptive", gr.Checkbox(False, label=f"adaptive γ (up to {MAX_GAMMA})", info="prompt lookup sizes "
+                                       "each draft from the measured verify cost; a draft model goes +2 after a "
+                                       "fully accepted draft, -1 after a miss"), "speculation")  # fmt: skip
+        widget("ngram", number(3, "prompt lookup: longest n-gram (1-8)", precision=0), "speculation")
+        widget("p_min", number(0, "draft model: confidence stop (0 = off, below 1)",
+                               "stop drafting where the draft's top probability falls below this"),
+               "speculation")  # fmt: skip
+        widget("draft_min", number(0, "shortest draft (0 = any, up to γ)", precision=0), "speculation")
+        widget("alpha", number(0.8, "synthetic drafter: α (0-1)"), "speculation")
+    with gr.Accordion("sampling and length", open=True, elem_id="group-sampling") as ui.accordions["sampling"]:
+        widget("max_new_tokens", number(128, f"max new tokens (1-{max_new_tokens_cap()})", precision=0),
+               "sampling")  # fmt: skip
+        widget("temperature", number(0, "temperature (0 = greedy, up to 2)"), "sampling")
+        widget("top_p", number(1, "top-p (1 = off)"), "sampling")
+        widget("top_k", number(0, "top-k (0 = off)", precision=0), "sampling")
+        widget("seed", number(0, "seed (-1 = random)", precision=0), "sampling")
+    with gr.Accordion("numerics and template", open=False, elem_id="group-numerics") as ui.accordions["numerics"]:
+        widget("dtype", gr.Dropdown(list(DTYPES), value="auto", label="dtype"), "numerics")
+        widget("strict", gr.Radio(list(STRICT), value="auto", label="strict mode", info="every target pass of both "
+                                  "runs at one width, so even 16-bit greedy ids are bit-identical; auto: on in 16 "
+                                  "bits where it costs a plain step no more than the noise (measured)"), "numerics")
+        widget("chat", gr.Checkbox(True, label="chat template (when the target has one)"), "numerics")
     for name, component in form.items():
         component.elem_id = render.field_id(name)
     ui.form = form
-    with gr.Row():
-        ui.legend = gr.HTML(render.LEGEND)
-        ui.show_rejected = gr.Checkbox(False, label="show rejected drafts", elem_id="show-rejected")
+
+
+def build_playground(ui: SimpleNamespace) -> None:
+    """The comparison on the first screen: prompt, Run / Stop / Clear, a one-line status, the two panes, the
+    summary; charts, examples and history below."""
+    default_prompt = presets.tasks()["categories"]["rewriting"]["prompts"][0]
+    ui.prompt = gr.Textbox(default_prompt, lines=3, max_lines=8, label="prompt", elem_id=render.field_id("prompt"))
+    with gr.Row(elem_id="run-row"):
+        ui.run = gr.Button("Run", variant="primary", elem_id="run", min_width=80, scale=2)
+        ui.stop = gr.Button("Stop", variant="stop", elem_id="stop", min_width=70)
+        ui.clear = gr.Button("Clear", elem_id="clear", min_width=70)
+        ui.show_rejected = gr.Checkbox(False, label="show rejected drafts", elem_id="show-rejected", min_width=150)
+    ui.form_error = gr.HTML("", elem_id="form-error", padding=False)
+    ui.status = gr.HTML(render.status_line(""), elem_id="status", padding=False)
     with gr.Row(equal_height=True, elem_id="panes"):
         ui.baseline = gr.HTML(
             render.pane("Baseline (target alone)", "", "not started"), label="baseline", elem_id="baseline-pane",
-            min_width=320,
+            min_width=300,
         )  # fmt: skip
         ui.speculative = gr.HTML(
             render.pane("Speculative (draft + target)", "", "not started"), label="speculative", elem_id="spec-pane",
-            min_width=320,
+            min_width=300,
         )  # fmt: skip
+    ui.legend = gr.HTML(render.LEGEND, padding=False)
+    ui.again = gr.Button("Run again for a trustworthy number", visible=False, elem_id="again", size="sm")
     ui.summary = gr.HTML(render.summary(None, None, None, None), label="summary", elem_id="summary")
+    with gr.Accordion("example prompts: where speculation wins and where it loses", open=False, elem_id="examples"):
+        gr.Examples(
+            [[presets.tasks()["categories"][c]["prompts"][i]] for c, i, _ in EXAMPLES],
+            inputs=[ui.prompt],
+            example_labels=[label for _, _, label in EXAMPLES],
+            label="",
+        )
     ui.chart = gr.Plot(label="live charts", elem_id="live-chart")
     ui.memory = gr.Plot(label="memory", elem_id="memory-chart")
     ui.timer = gr.Timer(2.0)
@@ -144,14 +149,32 @@ def build_layout() -> SimpleNamespace:
                                         interactive=False, wrap=False, elem_id="history-table")  # fmt: skip
         ui.files = gr.File(label="downloads", file_count="multiple", interactive=False)
     ui.result = gr.JSON(label="result", visible=False)
-    return ui
+
+
+# Editing a field takes its error mark away, and a status that reported a failure with it (in the browser: no
+# round trip): the status follows the form rather than keeping an error the user has already acted on.
+UNMARK = """(html, status) => {
+    const marked = (html || '').includes('data-field="NAME"');
+    const failed = (status || '').includes('sa-status-error');
+    return [marked ? '' : html, (marked || (failed && !(html || '').includes('data-field='))) ? EMPTY : status];
+}""".replace("EMPTY", repr(render.status_line("")))
+# On a phone the sidebar would cover the page: it starts closed there (Gradio opens it everywhere or nowhere).
+CLOSE_ON_PHONES = """() => { if (window.innerWidth < 768) {
+    const bar = document.querySelector('#settings');
+    if (bar && bar.classList.contains('open')) bar.querySelector('.toggle-button')?.click(); } }"""
+# On a phone the panes sit below the prompt: Run brings them into view.
+# It runs as the event's own js, before the values go to the server (a js-only listener beside it waits for the
+# run to end), and hands the values on unchanged.
+SHOW_PANES = """(...values) => { if (window.innerWidth < 768) {
+    document.querySelector('#panes')?.scrollIntoView({behavior: 'smooth', block: 'start'}); } return values; }"""
 
 
 def wire(ui: SimpleNamespace) -> None:
     if sorted(ui.form) != sorted(handlers.API_FIELDS):
         raise RuntimeError(f"the form's fields {sorted(ui.form)} are not the API's {sorted(handlers.API_FIELDS)}")
     outputs = [ui.result, ui.status, ui.baseline, ui.speculative, ui.summary, ui.chart, ui.history,
-               ui.history_table, ui.files, ui.form_error]  # fmt: skip
+               ui.history_table, ui.files, ui.form_error, ui.again, ui.sidebar,
+               *(ui.accordions[g] for g in handlers.GROUPS)]  # fmt: skip
     # Values reach the handler as sent (preprocess=False): our checks name the field and say what to do, where
     # Gradio's bounds would answer an API caller with a bare HTTP 400. No progress overlay: its animation alone
     # costs a CPU machine a good share of the model's speed.
@@ -160,20 +183,20 @@ def wire(ui: SimpleNamespace) -> None:
         concurrency_limit=1, concurrency_id="device", show_progress="hidden",
     )  # fmt: skip
     compare = on_gpu(handlers.compare)
-    ui.run.click(compare, api_name="compare", **run_args)
+    ui.run.click(compare, api_name="compare", js=SHOW_PANES, **run_args)
+    ui.again.click(compare, api_visibility="private", **run_args)
     ui.prompt.submit(compare, api_visibility="private", **run_args)
     ui.stop.click(handlers.stop, outputs=[ui.status], queue=False, api_visibility="private")
     ui.forget.click(handlers.forget, outputs=[ui.status], queue=False, api_visibility="private")
     ui.clear.click(
         handlers.clear,
-        outputs=[ui.result, ui.status, ui.baseline, ui.speculative, ui.summary, ui.chart, ui.form_error],
+        outputs=[ui.result, ui.status, ui.baseline, ui.speculative, ui.summary, ui.chart, ui.form_error, ui.again],
         queue=False,
         api_visibility="private",
     )
-    # a field's error mark goes when that field is edited (in the browser: no round trip)
     for name, component in {"prompt": ui.prompt, **ui.form}.items():
-        unmark = f"(html) => (html || '').includes('data-field=\"{name}\"') ? '' : html"
-        component.input(None, ui.form_error, ui.form_error, js=unmark)
+        component.input(None, [ui.form_error, ui.status], [ui.form_error, ui.status],
+                        js=UNMARK.replace("NAME", name))  # fmt: skip
     ui.preset.change(
         handlers.apply_preset,
         inputs=[ui.preset],
@@ -204,12 +227,19 @@ def quiet_queue(demo: gr.Blocks) -> None:
 
 
 def build_demo() -> gr.Blocks:
+    """The sidebar of settings (shared by both tabs: the Lab measures the pair the Playground shows), then the
+    Playground and the Lab."""
     from app import lab
 
     with gr.Blocks(title="SpecArena") as demo:
+        play = SimpleNamespace()
+        with gr.Sidebar(open=True, width=340, elem_id="settings") as play.sidebar:
+            build_settings(play)
+        gr.HTML(INTRO, padding=False)
         with gr.Tab("Playground"):
-            play = build_layout()
+            build_playground(play)
             wire(play)
         with gr.Tab("Lab"):
             lab.wire(lab.build_layout(), play)
+        demo.load(None, js=CLOSE_ON_PHONES)
     return demo

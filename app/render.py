@@ -13,7 +13,6 @@ from html import escape
 
 from engine.errors import UserError
 from engine.metrics import Metrics, StepEvent
-from engine.settings import LABELS
 
 KINDS = {  # CSS class suffix -> legend label; the colours live in assets/style.css
     "acc": "accepted draft",
@@ -187,7 +186,7 @@ def summary(
     saved = base.target_passes - spec.target_passes
     predicted = f"predicted {_fmt(spec.predicted_speedup, '.2f', '×')}"
     cards = [
-        _card("speedup: suspect", "?", f"measured {_fmt(speedup, '.2f', '×')}, {predicted}")
+        _card("speedup, not trusted yet", f"{_fmt(speedup, '.2f', '×')} ?", f"{predicted}; see why above")
         if suspect
         else _card("speedup", _fmt(speedup, ".2f", "×"), predicted),
         _card(
@@ -204,9 +203,10 @@ def summary(
     doubt = ""
     if suspect:
         doubt = (
-            '<div class="sa-suspect" role="note">⚠ <b>This run looks off</b>, so its speedup is not shown: '
+            '<div class="sa-suspect" role="note">⚠ <b>Not a trustworthy speedup yet</b>: '
             + escape("; ".join(suspect))
-            + ". Run it again to see what this machine does.</div>"
+            + ". A first run after loading a model, or one beside other work, is often slower than this machine "
+            "is. <b>Run again</b> to measure what it does.</div>"
         )
     cards_html = "".join(cards)
     return (
@@ -227,19 +227,25 @@ def _css_string(text: str) -> str:
 
 
 def field_error(exc: UserError) -> str:
-    """A red outline and the message under the field at fault, and the message under Run (the field may sit
-    in a closed accordion). Stays until the user edits that field or runs again."""
-    message = escape(str(exc))
+    """A red outline and the message under the field at fault, drawn by CSS, and nowhere else (the status line
+    only points at the field). Stays until the user edits that field or runs again."""
     if not exc.field:
-        return f'<div class="sa-form-error" role="alert">⚠ {message}</div>'
+        return ""
     target = f"#{field_id(exc.field)}"
     style = (
         f"<style>{target} {{ outline: 2px solid #dc2626; outline-offset: 2px; border-radius: 8px; }}"
         f"{target}::after {{ content: {_css_string(str(exc))}; display: block; color: #b91c1c; "
         "font-size: 0.85em; padding: 4px 2px 0; white-space: normal; }</style>"
     )
-    label = escape(LABELS.get(exc.field, exc.field))
-    return (
-        f'<div class="sa-form-error" role="alert" data-field="{escape(exc.field, quote=True)}">{style}'
-        f"⚠ <b>{label}</b>: {message}</div>"
-    )
+    return f'<div class="sa-form-error" data-field="{escape(exc.field, quote=True)}">{style}</div>'
+
+
+def status_line(text: str, detail: str = "", error: bool = False) -> str:
+    """The one-line status. A failure is one sentence (what failed, the likely cause, what to do); what a reader
+    may want besides, such as the end of a crashed server's log, is folded under it."""
+    if not text:
+        return '<div class="sa-status"></div>'
+    fold = (f'<details class="sa-detail"><summary>show the log</summary><pre>{escape(detail)}</pre></details>'
+            if detail else "")  # fmt: skip
+    css = "sa-status sa-status-error" if error else "sa-status"
+    return f'<div class="{css}" role="status">{escape(text)}{fold}</div>'

@@ -8,6 +8,7 @@ the target often but not always: acceptance lands strictly between 0 and 1.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 
@@ -115,9 +116,10 @@ def model_dirs(tmp_path_factory, llama_pair):
     return {name: str(root / name) for name in ("target", "draft", "other-vocab")}
 
 
-@pytest.fixture(scope="session")
-def live_app():
-    """`python app.py` on a free loopback port, on the bundled model; yields its URL."""
+@contextlib.contextmanager
+def app_server(**env_extra):
+    """`python app.py` on a free loopback port, on the bundled model, with `env_extra` in its environment; yields
+    its URL and stops it after."""
     import subprocess
     import sys
     import time
@@ -128,7 +130,7 @@ def live_app():
 
     port = free_port()
     env = dict(os.environ, GRADIO_SERVER_NAME="127.0.0.1", GRADIO_SERVER_PORT=str(port), GRADIO_ANALYTICS_ENABLED="0",
-               SPECARENA_QUEUE_SIZE="4")  # fmt: skip
+               SPECARENA_QUEUE_SIZE="4", **env_extra)  # fmt: skip
     env.pop("SPECARENA_MODELS_DIR", None)  # as a public app runs: no local folders, whatever ran before
     root = Path(__file__).resolve().parent.parent
     log = open(root / ".pytest_cache" / "app.log", "w") if (root / ".pytest_cache").is_dir() else subprocess.DEVNULL
@@ -151,3 +153,10 @@ def live_app():
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture(scope="session")
+def live_app():
+    """`python app.py` on a free loopback port, on the bundled model; yields its URL."""
+    with app_server() as url:
+        yield url

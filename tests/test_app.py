@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 from types import SimpleNamespace
 
@@ -11,6 +12,7 @@ import pytest
 
 from app import charts, handlers, render
 from engine.metrics import StepEvent
+from engine.settings import LABELS
 
 
 def ui_values(model_dirs, **over):
@@ -21,6 +23,14 @@ def ui_values(model_dirs, **over):
     )  # fmt: skip
     values.update(over)
     return values
+
+
+FIELD_ERROR, AGAIN, SIDEBAR = 9, 10, 11  # positions in the handler's outputs (after result ... downloads)
+
+
+def plain(html: str) -> str:
+    """The text of a status line (HTML)."""
+    return re.sub(r"<[^>]+>", "", html or "")
 
 
 def run_handler(values, session="s1"):
@@ -51,7 +61,8 @@ def test_settings_have_one_named_shape_across_form_api_and_cli():
 def test_compare_streams_and_ends_with_a_lossless_result(model_dirs):
     outputs = run_handler(ui_values(model_dirs))
     assert len(outputs) > 3  # loading, warm-up, streaming updates, final
-    result, status, base_pane, spec_pane, summary, chart, history, table, files, error = outputs[-1]
+    result, status, base_pane, spec_pane, summary, chart, history, table, files, error, again, *opens = outputs[-1]
+    status = plain(status)
     assert result["identical"] is True and result["status"] == "done"
     assert result["baseline"]["text"] == result["speculative"]["text"]
     assert result["speculative"]["metrics"]["new_tokens"] == 30
@@ -75,7 +86,7 @@ def test_history_accumulates_across_runs(model_dirs):
     first = run_handler(ui_values(model_dirs, max_new_tokens=5))[-1][6]
     second = run_handler(ui_values(model_dirs, max_new_tokens=5, drafter="prompt-lookup", history=first))[-1]
     assert [row[3] for row in second[6]] == ["draft-model", "prompt-lookup"]
-    assert second[1].startswith("run 2 · done")
+    assert plain(second[1]).startswith("run 2 · done")
 
 
 @pytest.mark.parametrize(
@@ -96,19 +107,26 @@ def test_history_accumulates_across_runs(model_dirs):
 def test_bad_input_names_its_field_in_the_error_and_on_the_form(model_dirs, over, field, message):
     outputs, err = run_until_error(ui_values(model_dirs, **over))
     assert message in str(err) and f"(field: {field})" in str(err)
-    marked = outputs[-1][-1]  # the field-error output: the message on that field, and a red outline
+    marked = outputs[-1][FIELD_ERROR]  # the field-error output: the message on that field, and a red outline
     assert f'data-field="{field}"' in marked and f"#field-{field}" in marked and "outline" in marked
-    assert outputs[-1][1].startswith("not started")  # no run was counted
+    assert plain(outputs[-1][1]) == f"not started: check {LABELS[field]}, as marked"  # no run was counted; once
+    opened = outputs[-1][SIDEBAR:]  # the sidebar and the group that hold the field open, so its message shows
+    if field != "prompt":
+        assert opened[0]["open"] is True
+        group = handlers.GROUP_OF.get(field)
+        for name, update in zip(handlers.GROUPS, opened[1:]):
+            assert (isinstance(update, dict) and update.get("open") is True) == (name == group), (name, update)
 
 
 def test_a_failed_run_is_counted(model_dirs):
     outputs, err = run_until_error(ui_values(model_dirs, prompt="x" * 300))  # past the tiny model's 256 tokens
     assert "context of 256 tokens" in str(err) and "(field: prompt)" in str(err)
-    status, history, error = outputs[-1][1], outputs[-1][6], outputs[-1][-1]
+    status, history, error = plain(outputs[-1][1]), outputs[-1][6], outputs[-1][FIELD_ERROR]
     assert status.startswith("run 1 · failed: ") and 'data-field="prompt"' in error
     assert history[0][1] == "failed"
     # the next run counts on
-    assert run_handler(ui_values(model_dirs, max_new_tokens=4, history=history))[-1][1].startswith("run 2 · done")
+    assert plain(run_handler(ui_values(model_dirs, max_new_tokens=4, history=history))[-1][1]).startswith(
+        "run 2 · done")
 
 
 def stop_when(model_dirs, phase: str, session: str) -> list:
@@ -181,8 +199,8 @@ def test_colours_follow_token_origin():
 
 def test_clear_resets_every_output_and_presets_fill_the_form(model_dirs):
     cleared = handlers.clear()
-    result, status, base_pane, spec_pane, summary, chart, error = cleared
-    assert result == {} and status == "" and error == ""
+    result, status, base_pane, spec_pane, summary, chart, error, again = cleared
+    assert result == {} and plain(status) == "" and error == "" and again["visible"] is False
     assert "not started" in base_pane and "not started" in spec_pane and "Run a comparison" in summary
     assert json.loads(chart.plot)["data"] == []
     values = handlers.apply_preset("Qwen2.5-7B-Instruct + Qwen2.5-0.5B-Instruct (GPU)")
@@ -333,7 +351,7 @@ def test_no_rendering_lands_in_the_next_runs_clocks(model_dirs, monkeypatch):
         monkeypatch.setattr(Transformers, mode, spy)
     rendered = {}
     for out in handlers.compare(**ui_values(model_dirs, max_new_tokens=6), request=SimpleNamespace(session_hash="t")):
-        status, chart = out[1], out[5]
+        status, chart = plain(out[1]), out[5]
         for mode in ("baseline", "speculative"):
             if status.endswith(f"running {mode}") and mode not in rendered:
                 rendered[mode] = time.monotonic()
