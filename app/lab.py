@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import gradio as gr
 import plotly.graph_objects as go
 
-from app.gpu import on_gpu
+from app.gpu import on_gpu, sweep_seconds
 from app.handlers import STOPS, session_of, settings_from
 from engine import presets, report
 from engine.bench import Stopped, sweep
@@ -309,8 +309,8 @@ def wire(ui: SimpleNamespace, play: SimpleNamespace) -> None:
               ui.concurrency, ui.p_mins]  # fmt: skip
     outputs = [ui.uses, ui.verdict, ui.cells, ui.curve, ui.category_chart, ui.category_table, ui.load_chart,
                ui.load_table, ui.snippets, ui.files]  # fmt: skip
-    ui.run.click(on_gpu(run_sweep), inputs=inputs, inputs_kwargs=play.form, outputs=outputs, preprocess=False,
-                 api_name="sweep", concurrency_limit=1, concurrency_id="device")  # fmt: skip
+    ui.run.click(on_gpu(run_sweep, sweep_seconds), inputs=inputs, inputs_kwargs=play.form, outputs=outputs,
+                 preprocess=False, api_name="sweep", concurrency_limit=1, concurrency_id="device")  # fmt: skip
     ui.stop.click(stop, queue=False, api_visibility="private")
     # what the sweep will use, kept in step with the Playground's fields
     ui.uses.value = show_uses(**{name: component.value for name, component in play.form.items()})

