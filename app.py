@@ -12,7 +12,7 @@ import threading
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # works offline; sends nothing anywhere
 
 from app.layout import CSS, THEME, build_demo, quiet_queue  # noqa: E402 - after the environment is set
-from engine.models import BUNDLED, MODELS  # noqa: E402
+from engine.models.loading import BUNDLED, MODELS  # noqa: E402
 from engine.worker import ENGINE  # noqa: E402
 
 demo = build_demo()

@@ -13,7 +13,7 @@ from gradio.components.plot import PlotData
 from plotly.subplots import make_subplots
 from plotly.utils import PlotlyJSONEncoder
 
-from engine.metrics import RunResult
+from engine.decoding.metrics import RunResult
 
 BASE, SPEC = "#6b7280", "#7c3aed"
 DRAFT, VERIFY, OVERHEAD, PREFILL = "#f59e0b", "#7c3aed", "#9ca3af", "#0ea5e9"

@@ -21,13 +21,13 @@ import gradio as gr
 from app import charts, render
 from app.memory import SAMPLER
 from engine import policy, presets
-from engine.compare import Comparison, stream_compare
+from engine.compare import stream_compare
+from engine.decoding.metrics import RunResult, summarise
+from engine.decoding.suffix import memory_for
 from engine.errors import UserError, blame
-from engine.events import Done, Event, RunDone, RunStarts, Status, Step
-from engine.metrics import RunResult, summarise
-from engine.models import MODELS
+from engine.events import Comparison, Done, Event, RunDone, RunStarts, Status, Step
+from engine.models.loading import MODELS
 from engine.settings import LABELS, TAKES_DRAFT, Settings, check_prompt
-from engine.suffix import memory_for
 
 log = logging.getLogger("specarena")
 # Each refresh costs the server (rendering, diffing, streaming) and the browser CPU that, on a CPU machine,
@@ -303,7 +303,7 @@ def apply_preset(name: str):
 
 def check_pair(**form):
     """The pair doctor's report as Markdown, before any weights load."""
-    from engine.doctor import diagnose, diagnose_gguf, markdown
+    from engine.models.doctor import diagnose, diagnose_gguf, markdown
 
     try:
         s = settings_from(**form)

@@ -1,7 +1,7 @@
 """The Lab tab: sweeps over gamma, temperature and drafter, the task suite, the predictor, reports.
 
 It reuses the Playground's pair and sampling fields, so a pair tried there is tuned here. All
-measuring is engine.bench; this module lays out, wires and draws.
+measuring is engine.measure.bench; this module lays out, wires and draws.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import plotly.graph_objects as go
 
 from app.gpu import on_gpu, sweep_seconds
 from app.handlers import STOPS, session_of, settings_from
-from engine import presets, report
-from engine.bench import Stopped, sweep
+from engine import presets
 from engine.errors import UserError
-from engine.load import load_curve
+from engine.measure import report
+from engine.measure.bench import Stopped, sweep
+from engine.measure.load import load_curve
 from engine.settings import Settings
 from engine.worker import ENGINE
 

@@ -25,8 +25,8 @@ from gradio_client import Client
 
 from app.handlers import API_FIELDS
 from engine import presets
+from engine.backends.servers import free_port
 from engine.compare import compare
-from engine.servers import free_port
 from engine.settings import Settings
 
 

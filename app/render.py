@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from html import escape
 
+from engine.decoding.metrics import Metrics, StepEvent
 from engine.errors import UserError
-from engine.metrics import Metrics, StepEvent
 
 KINDS = {  # CSS class suffix -> legend label; the colours live in assets/style.css
     "acc": "accepted draft",
@@ -121,7 +121,7 @@ def unreported(engine: str) -> str:
 
 
 def verdict_badge(verdict=None, stopped: bool = False) -> str:
-    """The lossless verdict (engine.lossless.Judgement) as a badge; its whole sentence on hover. Rounding in 16
+    """The lossless verdict (engine.decoding.lossless.Judgement) as a badge; its whole sentence on hover. Rounding in 16
     bits is not the bug colour: both runs chose the target's greedy token within rounding."""
     kind = "stopped" if stopped else getattr(verdict, "kind", None) or "sampled"
     message = getattr(verdict, "message", "")
@@ -158,7 +158,7 @@ def strict_line(env: dict | None) -> str:
 
 def environment_line(env: dict | None) -> str:
     """Where the numbers were measured, in one line: the device, threads, dtype, which linear-layer forms ran
-    (engine.cpu) and the software. Numbers from another machine or form are other numbers."""
+    (engine.models.cpu) and the software. Numbers from another machine or form are other numbers."""
     if not env:
         return ""
     threads = env.get("cpu_threads") or env.get("threads")

@@ -205,8 +205,8 @@ def bench_prompts(args) -> dict[str, list[str]]:
 
 
 def cmd_bench(args) -> int:
-    from engine import bench, hfcompare, report
-    from engine.bench import Stopped
+    from engine.measure import bench, hfcompare, report
+    from engine.measure.bench import Stopped
 
     temperatures = _numbers(args.temperature, float, "temperature")
     gammas = _numbers(args.gamma, int, "gamma")
@@ -216,13 +216,13 @@ def cmd_bench(args) -> int:
     prompts = bench_prompts(args)
     try:
         if args.concurrency:
-            from engine.load import load_curve
+            from engine.measure.load import load_curve
 
             flat = [p for ps in prompts.values() for p in ps]
             data = load_curve(base, flat, _numbers(args.concurrency, int, "concurrency"), args.repeats, _progress)
             print(load_table(data))
         elif args.compare == "direct":
-            from engine.vllm_backend import direct_overhead
+            from engine.measure.overhead import direct_overhead
 
             flat = [p for ps in prompts.values() for p in ps]
             data = direct_overhead(base, flat, args.repeats, _progress)
@@ -293,7 +293,7 @@ def versions(env: dict) -> str:
 
 
 def sweep_table(data: dict) -> str:
-    from engine import report
+    from engine.measure import report
 
     env = data["environment"]
     lines = [f"{data['settings']['target']} on {env['device_name']} ({env['dtype']}), {versions(env)}",
@@ -341,7 +341,7 @@ def load_table(data: dict) -> str:
 
 
 def hf_table(data: dict) -> str:
-    from engine.hfcompare import median_of
+    from engine.measure.hfcompare import median_of
 
     env, s = data["environment"], data["settings"]
     lines = [f"{s['target']} on {env['device_name']} ({env['dtype']}), drafter {s['drafter']}, gamma {s['gamma']}, "
@@ -363,7 +363,7 @@ def hf_table(data: dict) -> str:
 
 def cmd_doctor(args) -> int:
     """Exit code 0 when the pair can run (notes and warnings included), 1 when a check fails."""
-    from engine.doctor import diagnose, diagnose_gguf, markdown
+    from engine.models.doctor import diagnose, diagnose_gguf, markdown
 
     if args.backend == "llama.cpp":
         report = diagnose_gguf(args.target, args.draft)
@@ -376,8 +376,9 @@ def cmd_doctor(args) -> int:
 def cmd_gpu_check(args) -> int:
     """Random weights in real shapes (ours from random:<shape>, vLLM's from the same configs with
     --load-format dummy), the draft's passes run for their cost, acceptance forced to alpha 0.8 on both. Exit
-    code 1, saying which, when a backend's measured alpha or lossless verdict is off. --full: engine.gpucheck."""
-    from engine import gpucheck
+    code 1, saying which, when a backend's measured alpha or lossless verdict is off. --full:
+    engine.measure.gpucheck."""
+    from engine.measure import gpucheck
     from engine.settings import Settings
     from engine.worker import ENGINE
 
@@ -423,7 +424,7 @@ def off_cells(data: dict, alpha: float) -> list[str]:
 
 
 def cmd_build_llama_server(args) -> int:
-    from engine.llamacpp import build
+    from engine.backends.llamacpp import build
 
     print(build(jobs=args.jobs))
     return 0

@@ -13,80 +13,15 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Iterator
 
-from engine.backends import backend_for, guarded
-from engine.events import Done, Event, RunDone, RunStarts, Status, Step
-from engine.lossless import Judgement, judge
-from engine.metrics import RunResult, StepEvent, summarise
+from engine.backends import backend_for
+from engine.backends.transformers import guarded
+from engine.decoding.metrics import RunResult, StepEvent, summarise
+from engine.events import Comparison, Done, Event, RunDone, RunStarts, Status, Step
+from engine.measure.trust import OtherLoad, suspicions
 from engine.settings import Settings, check_prompt
-from engine.trust import OtherLoad, suspicions
-
-
-@dataclass
-class Comparison:
-    settings: Settings
-    prompt: str
-    baseline: RunResult
-    speculative: RunResult | None  # None when the baseline was stopped
-    environment: dict
-    started_at: float = 0.0  # wall clock (time.time()) around warm-up and both runs, for logs and audits
-    finished_at: float = 0.0
-    loaded_models: list[str] = field(default_factory=list)  # models this comparison had to load first
-    other_load: float = 0.0  # share of all CPUs other processes used during the two runs (engine.trust)
-    suspect: list[str] = field(default_factory=list)  # why the speedup may not be what this machine does
-    verdict: Judgement | None = None  # is the output the baseline's, and if not, why (engine.lossless)
-
-    @property
-    def stopped(self) -> bool:
-        runs = (self.baseline, self.speculative)
-        return any(r is None or r.metrics.finish_reason == "stopped" for r in runs)
-
-    @property
-    def status(self) -> str:
-        return "stopped" if self.stopped else "done"
-
-    @property
-    def identical(self) -> bool | None:
-        """Greedy runs must produce the same ids; sampled or stopped runs are not compared."""
-        if self.stopped or not self.settings.sampling.greedy:
-            return None
-        return self.baseline.token_ids == self.speculative.token_ids
-
-    def judge(self, decode=None) -> Judgement:
-        """The lossless verdict: greedy ids compared, and where they part, judged from the passes' scores."""
-        if self.stopped:
-            return Judgement("stopped", "stopped: partial runs, not compared")
-        if not self.settings.sampling.greedy:
-            return Judgement("sampled", "sampled: same distribution, not the same text")
-        b, s = self.baseline, self.speculative
-        return judge(b.steps, s.steps, b.token_ids, s.token_ids, self.environment.get("dtype", "float32"), decode)
-
-    @property
-    def speedup(self) -> float | None:
-        if self.stopped:
-            return None
-        base = self.baseline.metrics.tokens_per_s
-        return self.speculative.metrics.tokens_per_s / base if base else None
-
-    def to_dict(self, with_steps: bool = True) -> dict:
-        return {
-            "status": self.status,
-            "settings": self.settings.to_dict(),
-            "prompt": self.prompt,
-            "environment": self.environment,
-            "baseline": self.baseline.to_dict(with_steps),
-            "speculative": self.speculative.to_dict(with_steps) if self.speculative else None,
-            "identical": self.identical,
-            "verdict": self.verdict.to_dict() if self.verdict else None,
-            "speedup": self.speedup,
-            "suspect": self.suspect,
-            "other_load": self.other_load,
-            "loaded_models": self.loaded_models,
-            "started_at": self.started_at,
-            "finished_at": self.finished_at,
-        }
 
 
 def run(mode: str, events: Iterator[StepEvent], decode) -> Iterator[Step | RunDone]:
@@ -137,7 +72,7 @@ def open_backend(s: Settings):
 
 def stream_compare(s: Settings, prompt: str, stop: threading.Event | None = None, memory=None) -> Iterator[Event]:
     """Validate, open the pair, warm up, then run baseline and speculative one after the other. `memory`: the
-    caller's session's SuffixMemory, for the suffix drafter (engine.suffix)."""
+    caller's session's SuffixMemory, for the suffix drafter (engine.decoding.suffix)."""
     s.validate()
     check_prompt(prompt)
     backend = backend_for(s)

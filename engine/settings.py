@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
+from engine.decoding.sampling import SamplingConfig
 from engine.errors import UserError
-from engine.sampling import SamplingConfig
 
 BUNDLED = "bundled:smollm2-135m-instruct"
 MAX_GAMMA = 16  # the longest draft: the UI's bound, adaptive gamma's ceiling, the predictor's range
@@ -22,7 +23,7 @@ DRAFTERS = ("draft-model", "prompt-lookup", "suffix", "synthetic") + VLLM_ONLY +
 TAKES_DRAFT = ("draft-model", "synthetic", "eagle3")  # use a named draft model (synthetic: for its cost)
 BACKENDS = ("transformers", "vllm", "llama.cpp")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-STRICT = ("auto", "on", "off")  # strict mode: every target pass at one width (engine.runtime.forward)
+STRICT = ("auto", "on", "off")  # strict mode: every target pass at one width (engine.decoding.runtime.forward)
 
 LABELS = {  # field -> the words a person sees next to it (messages use these)
     "prompt": "prompt", "target": "target model", "drafter": "drafter", "draft": "draft model", "gamma": "gamma",
@@ -31,6 +32,12 @@ LABELS = {  # field -> the words a person sees next to it (messages use these)
     "alpha": "synthetic alpha", "adaptive": "adaptive gamma", "compile": "compile", "warmup": "warm-up",
     "backend": "backend", "p_min": "draft confidence stop", "draft_min": "shortest draft", "strict": "strict mode",
 }  # fmt: skip
+
+
+def cache_dir() -> Path:
+    """Where SpecArena keeps what it makes once (converted models, CPU measurements, a llama-server build, compiled
+    graphs): $SPECARENA_CACHE, else ~/.cache/specarena."""
+    return Path(os.environ.get("SPECARENA_CACHE", Path.home() / ".cache" / "specarena"))
 
 
 def max_new_tokens_cap() -> int:
@@ -54,7 +61,7 @@ class Settings:
     device: str = "auto"
     ngram: int = 3  # prompt lookup: longest n-gram matched
     alpha: float = 0.8  # synthetic drafter: probability of proposing the target's own token
-    adaptive: bool = False  # the drafter sizes each draft, up to MAX_GAMMA (engine.drafters)
+    adaptive: bool = False  # the drafter sizes each draft, up to MAX_GAMMA (engine.decoding.drafters)
     compile: bool = False  # CUDA only: torch.compile with CUDA graphs over a static KV cache
     warmup: bool = True
     backend: str = "transformers"  # where the comparison runs: this process, vLLM or llama.cpp servers

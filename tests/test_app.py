@@ -11,7 +11,7 @@ import gradio as gr
 import pytest
 
 from app import charts, handlers, render
-from engine.metrics import StepEvent
+from engine.decoding.metrics import StepEvent
 from engine.settings import LABELS
 
 
@@ -273,9 +273,9 @@ def test_lab_sweep_reports_bad_settings(model_dirs):
 def test_out_of_memory_in_generation_is_reported_and_the_next_run_works(model_dirs, monkeypatch):
     import torch
 
-    import engine.speculative
+    import engine.decoding.speculative
 
-    real = engine.speculative.forward
+    real = engine.decoding.speculative.forward
     calls = {"n": 0}
 
     def flaky(model, ids, cache, keep=0, width=0):
@@ -284,7 +284,7 @@ def test_out_of_memory_in_generation_is_reported_and_the_next_run_works(model_di
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(model, ids, cache, keep, width)
 
-    monkeypatch.setattr(engine.speculative, "forward", flaky)
+    monkeypatch.setattr(engine.decoding.speculative, "forward", flaky)
     with pytest.raises(gr.Error) as err:
         run_handler(ui_values(model_dirs, max_new_tokens=10))
     assert "ran out of memory" in str(err.value) and "next run can go ahead" in str(err.value)
@@ -292,7 +292,7 @@ def test_out_of_memory_in_generation_is_reported_and_the_next_run_works(model_di
 
 
 def test_out_of_memory_while_loading_evicts_and_retries(model_dirs, monkeypatch):
-    import engine.models as models
+    import engine.models.loading as models
     from engine.errors import OutOfMemory
 
     cache = models.ModelCache(max_models=3)
@@ -311,7 +311,7 @@ def test_out_of_memory_while_loading_evicts_and_retries(model_dirs, monkeypatch)
 
 
 def test_model_cache_respects_its_memory_budget(model_dirs):
-    from engine.models import ModelCache
+    from engine.models.loading import ModelCache
 
     one = ModelCache(max_models=5).get(model_dirs["target"])
     budget_gb = 1.5 * one.params * 4 / 1024**3  # room for one float32 copy, not two
@@ -338,7 +338,7 @@ def test_no_rendering_lands_in_the_next_runs_clocks(model_dirs, monkeypatch):
     seconds to take what was rendered before it: the UI's times to first token are the engine's."""
     import time
 
-    from engine.backends import Transformers
+    from engine.backends.transformers import Transformers
 
     started = {}
     for mode in ("baseline", "speculative"):

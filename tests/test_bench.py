@@ -9,12 +9,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine import bench, hfcompare, predict, report
 from engine.__main__ import main
-from engine.bench import Cell, Sample
-from engine.drafters import Synthetic
-from engine.metrics import leviathan_speedup
-from engine.sampling import SamplingConfig
+from engine.decoding.drafters import Synthetic
+from engine.decoding.metrics import leviathan_speedup
+from engine.decoding.sampling import SamplingConfig
+from engine.measure import bench, hfcompare, predict, report
+from engine.measure.bench import Cell, Sample
 from engine.settings import Settings
 
 
@@ -190,9 +190,9 @@ def test_synthetic_drafter_accepts_at_rate_alpha():
 
 
 def test_synthetic_drafter_in_the_loop_measures_alpha(llama_pair):
-    from engine.baseline import baseline_decode
-    from engine.metrics import summarise
-    from engine.speculative import speculative_decode
+    from engine.decoding.baseline import baseline_decode
+    from engine.decoding.metrics import summarise
+    from engine.decoding.speculative import speculative_decode
 
     target, _, tok = llama_pair
     ids = list(tok("The cat sat")["input_ids"][:-1])
@@ -209,7 +209,7 @@ def test_synthetic_drafter_in_the_loop_measures_alpha(llama_pair):
 
 def test_adaptive_prompt_lookup_drafts_past_gamma_and_stays_identical(base, monkeypatch):
     from engine.compare import compare
-    from engine.models import LoadedModel
+    from engine.models.loading import LoadedModel
 
     # verify costs as a GPU or a large model would measure them; timed on a tiny model under a busy test run,
     # noise alone could make long drafts look dear
@@ -222,8 +222,8 @@ def test_adaptive_prompt_lookup_drafts_past_gamma_and_stays_identical(base, monk
 
 
 def test_a_vllm_sweep_exports_the_speculative_config_it_measured():
+    from engine.backends.vllm import speculative_config
     from engine.settings import BUNDLED, Settings
-    from engine.vllm_backend import speculative_config
 
     data = {"settings": {"target": BUNDLED, "draft": "", "ngram": 2, "backend": "vllm"},
             "cells": [_cell("prompt-lookup", 6, 1.8)]}  # fmt: skip

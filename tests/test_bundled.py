@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from engine.compare import compare
-from engine.metrics import position_counts
-from engine.models import MODELS
-from engine.runtime import TextStream, encode_prompt
+from engine.decoding.metrics import position_counts
+from engine.decoding.runtime import TextStream, encode_prompt
+from engine.models.loading import MODELS
 from engine.settings import BUNDLED, Settings
 
 pytestmark = pytest.mark.bundled
@@ -58,9 +58,9 @@ def test_bundled_text_stream_reassembles_unicode(bundled):
 def test_drafts_through_text_round_trip_on_a_real_tokenizer(bundled):
     """The target drafting for itself through its text (the path of a draft with another tokenizer): every
     re-encoded draft is the target's own next tokens, so nearly all hold; ids equal the baseline's."""
-    from engine.crosstok import CrossTokenizerDraft
-    from engine.sampling import SamplingConfig
-    from engine.speculative import speculative_decode
+    from engine.decoding.crosstok import CrossTokenizerDraft
+    from engine.decoding.sampling import SamplingConfig
+    from engine.decoding.speculative import speculative_decode
 
     tok, model = bundled.tokenizer, bundled.model
     ids = encode_prompt(tok, REWRITE, chat=True)
@@ -74,9 +74,9 @@ def test_drafts_through_text_round_trip_on_a_real_tokenizer(bundled):
 
 
 def test_a_draft_whose_text_merges_with_the_last_tokens_proposes_nothing(bundled):
-    from engine.crosstok import CrossTokenizerDraft
-    from engine.drafters import Draft
-    from engine.sampling import SamplingConfig
+    from engine.decoding.crosstok import CrossTokenizerDraft
+    from engine.decoding.drafters import Draft
+    from engine.decoding.sampling import SamplingConfig
 
     tok = bundled.tokenizer
     drafter = CrossTokenizerDraft(bundled.model, tok, tok, gamma=4)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from engine.__main__ import main
-from engine.doctor import diagnose, vocab_check
+from engine.models.doctor import diagnose, vocab_check
 from tests.conftest import byte_tokenizer, tiny_llama
 
 
@@ -49,7 +49,7 @@ def test_another_tokenizer_is_a_warning_with_the_overlap_not_a_refusal(model_dir
 
 
 def test_memory_estimate_fails_when_it_cannot_fit(model_dirs, monkeypatch):
-    monkeypatch.setattr("engine.sizing.free_memory_bytes", lambda device: 1000)
+    monkeypatch.setattr("engine.models.sizing.free_memory_bytes", lambda device: 1000)
     check = next(c for c in diagnose(model_dirs["target"])["checks"] if c["name"] == "memory")
     assert check["status"] == "fail" and "smaller dtype" in check["detail"]
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.baseline import baseline_decode
-from engine.drafters import DraftModel, PromptLookup, Synthetic
-from engine.metrics import summarise
-from engine.runtime import TextStream, forward, measure_verify_costs, new_cache
-from engine.sampling import SamplingConfig
-from engine.speculative import speculative_decode
+from engine.decoding.baseline import baseline_decode
+from engine.decoding.drafters import DraftModel, PromptLookup, Synthetic
+from engine.decoding.metrics import summarise
+from engine.decoding.runtime import TextStream, forward, measure_verify_costs, new_cache
+from engine.decoding.sampling import SamplingConfig
+from engine.decoding.speculative import speculative_decode
 from tests.conftest import EOS
 
 GREEDY = SamplingConfig()
@@ -266,8 +266,8 @@ def test_verify_costs_fit_a_short_context():
 
 
 def test_packed_cpu_linears_match_stock_layers(model_dirs, llama_pair, monkeypatch):
-    from engine.cpu import PackedLinear
-    from engine.models import ModelCache
+    from engine.models.cpu import PackedLinear
+    from engine.models.loading import ModelCache
 
     monkeypatch.setenv("SPECARENA_CPU_PACK", "1")  # packed for every pass, whatever this CPU would choose
     cache = ModelCache(max_models=2)
@@ -288,7 +288,7 @@ def test_packed_cpu_linears_match_stock_layers(model_dirs, llama_pair, monkeypat
 def test_packed_linear_matches_for_every_row_count(min_rows):
     """The weight is packed once, with no batch hint; below min_rows rows the stock weight runs instead, and
     whichever form no pass uses is freed."""
-    from engine.cpu import PackedLinear
+    from engine.models.cpu import PackedLinear
 
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 80)
@@ -306,7 +306,7 @@ def test_packed_linear_matches_for_every_row_count(min_rows):
 def test_passes_run_padded_only_where_a_larger_pass_is_clearly_cheaper():
     """Measured on an AMD EPYC (AVX512): two rows 45 ms, three to five 40 ms; 1-row at 38.7 against 37.6
     for three rows is within the noise, so it stays."""
-    from engine.cpu import PAD_GAIN, _pad_table, describe
+    from engine.models.cpu import PAD_GAIN, _pad_table, describe
 
     times = {1: 38.7, 2: 45.0, 3: 40.0, 4: 42.0, 5: 39.5, 6: 42.0, 7: 44.0}
     assert _pad_table(times) == (0, 1, 5, 3, 5, 5, 6, 7)
@@ -316,7 +316,7 @@ def test_passes_run_padded_only_where_a_larger_pass_is_clearly_cheaper():
 
 
 def test_linear_forms_follow_the_measurements_and_are_measured_once(llama_pair, tmp_path, monkeypatch):
-    from engine import cpu
+    from engine.models import cpu
 
     monkeypatch.setenv("SPECARENA_CPU_PACK", "auto")
     # packed slower for one row, faster from 3 (as on an AVX512 Xeon); faster everywhere; never faster
@@ -346,7 +346,8 @@ def test_linear_forms_follow_the_measurements_and_are_measured_once(llama_pair, 
 def test_cpu_key_tells_apart_machines_of_one_name(monkeypatch):
     """Two machines here were both "AMD EPYC": one AVX2, one AVX512. What is measured or compiled for one
     (linear forms, a -march=native llama-server) must not be reused on the other."""
-    from engine import cpu, llamacpp
+    from engine.backends import llamacpp
+    from engine.models import cpu
 
     info = {"model name": "AMD EPYC", "flags": "fpu sse2 avx2 fma"}
     monkeypatch.setattr(cpu, "_cpuinfo_field", lambda field: info[field])
@@ -364,7 +365,7 @@ def test_compiled_decoding_is_lossless(llama_pair):
 
     from transformers import StaticCache
 
-    from engine.runtime import compile_decoding
+    from engine.decoding.runtime import compile_decoding
 
     plain, _, tok = llama_pair
     target, draft = copy.deepcopy(plain), copy.deepcopy(llama_pair[1])
@@ -417,7 +418,7 @@ def _trie(node) -> dict:
 
 
 def test_suffix_memory_counts_windows_forgets_the_same_prompt_and_drops_the_oldest():
-    from engine.suffix import DEPTH, SuffixMemory
+    from engine.decoding.suffix import DEPTH, SuffixMemory
 
     memory = SuffixMemory(cap=1000)
     first = memory.begin((1,), [1, 5, 6, 7, 8])
@@ -448,7 +449,7 @@ def _depth(node) -> int:
 
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_suffix_drafts_from_earlier_runs_and_stays_lossless(llama_pair, adaptive):
-    from engine.suffix import SuffixDrafter, SuffixMemory
+    from engine.decoding.suffix import SuffixDrafter, SuffixMemory
 
     target, _, tok = llama_pair
     memory = SuffixMemory()
@@ -483,7 +484,7 @@ def test_every_torch_pass_of_a_comparison_runs_on_the_engine_thread(model_dirs):
     import threading
 
     from engine.compare import stream_compare
-    from engine.models import MODELS
+    from engine.models.loading import MODELS
     from engine.settings import Settings
     from engine.worker import ENGINE
 
@@ -512,11 +513,11 @@ def test_a_compiled_pair_compiles_what_its_runs_need_in_the_warm_up_and_says_so(
     """Every pass size the timed runs make is compiled (and on a GPU recorded) before they start, on the caches
     they use, each step reported with its time; the timed runs then compile nothing. The eager backend stands in
     for inductor and CUDA graphs, which need a GPU."""
-    from engine.backends import Pair, Transformers
+    from engine.backends.transformers import Pair, Transformers
     from engine.compare import result_of, run, warm_up
+    from engine.decoding.runtime import compile_decoding
     from engine.events import Status
-    from engine.models import MODELS
-    from engine.runtime import compile_decoding
+    from engine.models.loading import MODELS
     from engine.settings import Settings
 
     for strict, expected in (("off", {1, 2, 4, 8}), ("on", {8})):

@@ -1,11 +1,11 @@
-"""The GPU diagnosis (engine.gpucheck): its verdicts on given figures, and its run on a machine without a GPU."""
+"""The GPU diagnosis (engine.measure.gpucheck): its verdicts on given figures, and its run without a GPU."""
 
 from __future__ import annotations
 
 import json
 
-from engine import gpucheck
 from engine.__main__ import main, off_cells
+from engine.measure import gpucheck
 
 
 def run(tps: float, verdict: str = "identical", tested: int = 50, kept: int = 40) -> dict:

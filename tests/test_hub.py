@@ -9,8 +9,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from engine import models
 from engine.errors import UserError
+from engine.models import loading as models
 
 
 @pytest.fixture
@@ -67,7 +67,7 @@ def test_download_progress_is_reported():
 
 def test_loading_reports_progress_as_status_events(model_dirs, monkeypatch):
     """What the loader reports while it works reaches the caller as Status events, before the model."""
-    from engine.backends import Transformers
+    from engine.backends.transformers import Transformers
     from engine.events import Status
     from engine.settings import Settings
 

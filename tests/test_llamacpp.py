@@ -18,10 +18,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine import llamacpp
+from engine.backends import llamacpp
+from engine.backends.servers import POOL, Server, free_port
 from engine.compare import compare, open_backend
 from engine.errors import UserError
-from engine.servers import POOL, Server, free_port
 from engine.settings import Settings
 
 pytestmark = pytest.mark.llamacpp
@@ -266,7 +266,7 @@ kill -SEGV $$
 def crashing_binary(tmp_path, monkeypatch):
     """A llama-server that dies as llama.cpp's AMX kernels do on the AMX Xeons seen here: SIGSEGV right after its
     thread pool starts, on a CPU that has AMX."""
-    from engine import cpu
+    from engine.models import cpu
 
     path = tmp_path / "llama-server"
     path.write_text(CRASHING.format(flags=" ".join(llamacpp.NEEDED_FLAGS), build=llamacpp.BUILD))
@@ -293,7 +293,7 @@ def test_a_named_binary_that_crashes_at_start_gets_the_cause_and_the_fix(crashin
 
 
 def test_a_crash_on_a_cpu_without_amx_is_not_blamed_on_amx(crashing_binary, monkeypatch):
-    from engine import cpu
+    from engine.models import cpu
 
     monkeypatch.setattr(cpu, "cpu_flags", lambda: {"avx2"})
     assert llamacpp.crash_cause(128 + 11, "init: llama threadpool init, n_threads = 2") is None

@@ -1,17 +1,17 @@
-"""The lossless verdict (engine.lossless) and strict mode, on tiny random models: rounding is told from a bug by
-the scores of the passes, and strict mode makes 16-bit greedy runs bit-identical."""
+"""The lossless verdict (engine.decoding.lossless) and strict mode, on tiny random models: rounding is told from a
+bug by the scores of the passes, and strict mode makes 16-bit greedy runs bit-identical."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import engine.speculative
-from engine.baseline import baseline_decode
-from engine.drafters import DraftModel, PromptLookup, Synthetic
-from engine.lossless import judge, tops
-from engine.metrics import StepEvent, summarise
-from engine.speculative import speculative_decode
+import engine.decoding.speculative
+from engine.decoding.baseline import baseline_decode
+from engine.decoding.drafters import DraftModel, PromptLookup, Synthetic
+from engine.decoding.lossless import judge, tops
+from engine.decoding.metrics import StepEvent, summarise
+from engine.decoding.speculative import speculative_decode
 from tests.test_engine import GREEDY, PROMPTS, prompt_ids
 
 
@@ -69,7 +69,7 @@ def test_an_injected_difference_in_the_real_loop_is_judged_a_bug(llama_pair, mon
     ids = prompt_ids(tok, PROMPTS[0])
     with torch.inference_mode():
         base = list(baseline_decode(target, tok, ids, GREEDY, 30, set()))
-        real, calls = engine.speculative.forward, {"n": 0}
+        real, calls = engine.decoding.speculative.forward, {"n": 0}
 
         def broken(model, token_ids, cache, keep=0, width=0):
             logits = real(model, token_ids, cache, keep, width)
@@ -79,7 +79,7 @@ def test_an_injected_difference_in_the_real_loop_is_judged_a_bug(llama_pair, mon
                 logits[0, (int(logits[0].argmax()) + 1) % logits.shape[-1]] += 50.0
             return logits
 
-        monkeypatch.setattr(engine.speculative, "forward", broken)
+        monkeypatch.setattr(engine.decoding.speculative, "forward", broken)
         spec = list(speculative_decode(target, tok, ids, PromptLookup(), GREEDY, 30, set()))
     b, s = summarise("b", base, "").token_ids, summarise("s", spec, "").token_ids
     verdict = judge(base, spec, b, s, "float32")

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from engine import random_models
 from engine.__main__ import main
-from engine.drafters import DraftModel, Synthetic
+from engine.decoding.drafters import DraftModel, Synthetic
 from engine.errors import OutOfMemory, UserError
-from engine.models import resolve
+from engine.models import random_shapes as random_models
+from engine.models.loading import resolve
 from tests.test_engine import PROMPTS, prompt_ids, run_baseline, run_spec
 
 
@@ -22,7 +22,7 @@ def test_random_specs_resolve_to_known_shapes():
 
 
 def test_real_sizes_from_the_configs():
-    from engine.sizing import count_params
+    from engine.models.sizing import count_params
 
     billions = {shape: count_params(random_models.config(shape)) / 1e9 for shape in random_models.SHAPES}
     assert billions["llama-3.1-8b"] == pytest.approx(8.03, abs=0.01)
@@ -39,7 +39,7 @@ def test_the_tokenizer_covers_every_id():
 
 
 def test_a_shape_that_does_not_fit_is_refused_before_allocating(monkeypatch):
-    monkeypatch.setattr("engine.sizing.free_memory_bytes", lambda device: 2**30)
+    monkeypatch.setattr("engine.models.sizing.free_memory_bytes", lambda device: 2**30)
     with pytest.raises(OutOfMemory, match="needs 4.6 GiB in float32 and cpu has 1.0 GiB free"):
         random_models.build("llama-3.2-1b", torch.device("cpu"), torch.float32)
     with pytest.raises(UserError, match="GPU measurement tool"):

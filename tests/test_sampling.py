@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
-from engine.baseline import baseline_decode
-from engine.drafters import DraftModel, PromptLookup
-from engine.runtime import forward, new_cache
-from engine.sampling import SamplingConfig, logits_to_probs, verify
-from engine.speculative import speculative_decode
+from engine.decoding.baseline import baseline_decode
+from engine.decoding.drafters import DraftModel, PromptLookup
+from engine.decoding.runtime import forward, new_cache
+from engine.decoding.sampling import SamplingConfig, logits_to_probs, verify
+from engine.decoding.speculative import speculative_decode
 from tests.conftest import LetterTokenizer, noisy_copy, tiny_llama
 
 V = 6
@@ -174,7 +174,7 @@ def test_confidence_stopped_drafts_keep_the_target_distribution():
 
 
 def test_suffix_drafts_from_session_memory_keep_the_target_distribution():
-    from engine.suffix import SuffixDrafter, SuffixMemory
+    from engine.decoding.suffix import SuffixDrafter, SuffixMemory
 
     target = tiny_llama(vocab_size=8, layers=1, seed=5)
     memory = SuffixMemory()
@@ -190,7 +190,7 @@ def test_suffix_drafts_from_session_memory_keep_the_target_distribution():
 
 def test_drafts_from_another_tokenizer_keep_the_target_distribution():
     """The draft's argmax, re-encoded into the target's ids, is a one-hot proposal: sampling stays exact."""
-    from engine.crosstok import CrossTokenizerDraft
+    from engine.decoding.crosstok import CrossTokenizerDraft
 
     target = tiny_llama(vocab_size=8, layers=1, seed=5)
     draft = noisy_copy(target, scale=0.8, seed=6)

@@ -13,8 +13,8 @@ import urllib.request
 
 import pytest
 
+from engine.backends.servers import Pool, Server, free_port
 from engine.errors import UserError
-from engine.servers import Pool, Server, free_port
 
 
 def http_server(port: int) -> list[str]:
@@ -49,7 +49,7 @@ def test_a_crashed_app_leaves_no_server_behind(tmp_path):
     app = textwrap.dedent(f"""
         import sys, time
         sys.path.insert(0, {os.getcwd()!r})
-        from engine.servers import Server
+        from engine.backends.servers import Server
         Server("web", {http_server(port)!r}, {port}, "/").start(timeout=30)
         print("up", flush=True)
         time.sleep(600)

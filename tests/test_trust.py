@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from app import render
-from engine import report
-from engine.compare import Comparison
-from engine.metrics import StepEvent, summarise
+from engine.decoding.metrics import StepEvent, summarise
+from engine.events import Comparison
+from engine.measure import report
+from engine.measure.trust import OtherLoad, RecentSpeeds, suspicions
 from engine.settings import Settings
-from engine.trust import OtherLoad, RecentSpeeds, suspicions
 
 
 def run(mode: str, tokens: int, seconds: float, predicted_alpha: bool = False):
@@ -73,11 +73,12 @@ def test_other_load_stays_a_share_over_short_windows():
 
 def test_a_suspect_run_shows_why_instead_of_its_speedup():
     c = comparison(1.0, 0.1)
-    html = render.summary(c.baseline.metrics, c.speculative.metrics, True, c.speedup, suspect=["odd"])
-    assert "This run looks off" in html and "odd" in html and "speedup: suspect" in html
-    assert "10.00×" not in html.split("measured")[0]  # the number is only shown as what was measured
-    plain = render.summary(c.baseline.metrics, c.speculative.metrics, True, c.speedup)
-    assert "looks off" not in plain
+    verdict = c.judge()
+    html = render.summary(c.baseline.metrics, c.speculative.metrics, verdict, c.speedup, suspect=["odd"])
+    assert "Not a trustworthy speedup yet</b>: odd." in html and "Run again</b>" in html
+    assert "speedup, not trusted yet" in html and "10.00× ?" in html  # the number, marked as not to be trusted
+    plain = render.summary(c.baseline.metrics, c.speculative.metrics, verdict, c.speedup)
+    assert "trustworthy" not in plain and "10.00×" in plain
 
 
 def cell(drafter, gamma, median, low, high, n):
@@ -107,7 +108,7 @@ def test_a_baseline_far_slower_than_the_pass_timed_at_load_is_suspect():
 
 
 def test_loading_times_a_one_token_pass(model_dirs):
-    from engine.models import ModelCache
+    from engine.models.loading import ModelCache
 
     loaded = ModelCache(max_models=1).get(model_dirs["target"])
     assert loaded.step_s is not None and 0 < loaded.step_s < 5

@@ -10,10 +10,10 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
+from engine.backends.servers import POOL
 from engine.compare import compare
+from engine.decoding.lossless import tops
 from engine.errors import UserError
-from engine.lossless import tops
-from engine.servers import POOL
 from engine.settings import Settings
 
 pytestmark = pytest.mark.vllm

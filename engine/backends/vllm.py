@@ -24,15 +24,14 @@ import urllib.request
 from pathlib import Path
 from typing import Generator, Iterator
 
-from engine.backends import in_thread
+from engine.backends.servers import POOL, Server, failure, free_port, http_json, remote_urls, sse
+from engine.decoding.metrics import StepEvent
+from engine.decoding.runtime import TextStream, encode_prompt
 from engine.errors import UserError
 from engine.events import Status
-from engine.metrics import StepEvent
-from engine.runtime import TextStream, encode_prompt
-from engine.servers import POOL, Server, failure, free_port, http_json, remote_urls, sse
 from engine.settings import Settings
+from engine.worker import in_thread
 
-SIDES = ("baseline", "speculative")
 UNKNOWN = -1  # the id of a draft token vLLM rejected: it reports how many, not which
 START_TIMEOUT = float(os.environ.get("SPECARENA_VLLM_START_TIMEOUT", "600"))
 # drafters -> vLLM speculative_config methods; the last three exist only on vLLM
@@ -80,7 +79,8 @@ def speculative_config(s: Settings, draft_location: str | None) -> dict:
 def model_location(spec: str) -> tuple[str, dict]:
     """What vLLM is given for a model spec, and extra server arguments: a folder for the bundled and random
     models (random ones with dummy weights), the id itself for the Hub."""
-    from engine import models, random_models
+    from engine.models import loading as models
+    from engine.models import random_shapes as random_models
 
     source = models.resolve(spec)
     if source.shape:
@@ -100,7 +100,7 @@ def gpu_share() -> str | None:
 
 def served_dtype(s: Settings) -> str:
     """The dtype our engine would run: "auto" is float32 on a CPU (vLLM's own auto would pick bfloat16)."""
-    from engine.models import resolve_device, resolve_dtype
+    from engine.models.loading import resolve_device, resolve_dtype
 
     return str(resolve_dtype(s.dtype, resolve_device(s.device))).replace("torch.", "")
 
@@ -124,7 +124,7 @@ class VLLM:
         self.serving: tuple | None = None  # what the speculative server runs: model, dtype, speculative_config
 
     def open(self, s: Settings) -> Iterator[Status]:
-        from engine.models import load_tokenizer
+        from engine.models.loading import load_tokenizer
 
         urls = remote_urls("VLLM")
         if urls:
@@ -228,7 +228,7 @@ class VLLM:
         """One streamed completion as StepEvents: a chunk is a step; the last chunk's per-step counts then
         correct what each step drafted."""
         # greedy: the two best log-probabilities of every token, ids as "token_id:N", the evidence of the
-        # lossless verdict (engine.lossless)
+        # lossless verdict (engine.decoding.lossless)
         scores = {"logprobs": 2, "return_tokens_as_token_ids": True} if s.sampling.greedy else {}
         request = self._request(role, ids, s, stream_options={"include_usage": True}, skip_special_tokens=False,
                                 **scores)  # fmt: skip
@@ -304,53 +304,6 @@ def _correct(steps: list[StepEvent], metrics: dict) -> None:
         step.accepted = accepted
         step.drafted = step.tokens[:accepted] + [UNKNOWN] * max(drafted - accepted, 0)
         step.kind = "target" if drafted == 0 else "bonus" if accepted == drafted else "correction"
-
-
-def direct_overhead(s: Settings, prompts: list[str], repeats: int = 3, progress=lambda *a: None) -> dict:
-    """What SpecArena's path costs on vLLM: decode tokens/s of a streamed completion read through this backend
-    (events, detokenising, per-step record) over the same request read raw (bytes counted, nothing parsed
-    but the token ids), alternating which goes first, on both servers."""
-    from engine.bench import spread
-    from engine.compare import open_backend, result_of, run
-
-    backend = open_backend(s)
-    rows = []
-    for i, prompt in enumerate(prompts):
-        ids = backend.encode(prompt, s)
-        for role in ("baseline", "speculative"):
-            _raw(backend, role, ids, s)  # warm-up
-            for r in range(repeats):
-                progress(i * repeats + r, len(prompts) * repeats, f"prompt {i + 1}, {role}")
-                got = {}
-                for name in ("ours", "raw") if r % 2 == 0 else ("raw", "ours"):
-                    if name == "ours":
-                        events = backend._stream(role, ids, s, None)
-                        got[name] = result_of(run(role, events, backend.decode)).metrics.tokens_per_s
-                    else:
-                        got[name] = _raw(backend, role, ids, s)
-                rows.append({"prompt": i, "role": role, "repeat": r, **got, "ratio": got["ours"] / got["raw"]})
-    return {
-        "kind": "vllm_overhead", "settings": s.to_dict() | {"prompts": prompts, "repeats": repeats},
-        "environment": backend.environment,
-        "ratio": {side: spread([x["ratio"] for x in rows if x["role"] == side]) for side in SIDES},
-        "runs": rows,
-    }  # fmt: skip
-
-
-def _raw(backend: VLLM, role: str, ids: list[int], s: Settings) -> float:
-    """Decode tokens/s of one streamed completion read with nothing but json.loads: tokens after the first
-    over the time after the first chunk, as RunResult counts them."""
-    request = backend._request(role, ids, s)
-    first = last = None
-    tokens = 0
-    with urllib.request.urlopen(request, timeout=600) as response:
-        for raw in response:
-            if raw.startswith(b"data: {"):
-                n = len(json.loads(raw[6:])["choices"][0].get("token_ids") or [])
-                if n:
-                    now = time.perf_counter()
-                    first, last, tokens = first or now, now, tokens + n
-    return (tokens - 1) / (last - first) if tokens > 1 and last > first else 0.0
 
 
 def _top_two(logprobs: dict | None, n: int) -> list:

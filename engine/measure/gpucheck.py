@@ -2,14 +2,14 @@
 
 Everything a machine with a GPU needs to say whether SpecArena runs there as fast as the engine can, with
 nothing but the project and its requirements, in a few minutes. One line per check, PASS, FAIL or SKIP
-with its figure; the whole as JSON. Random weights in real shapes (engine.random_models: Llama-3.1-8B as the
+with its figure; the whole as JSON. Random weights in real shapes (engine.models.random_shapes: Llama-3.1-8B as the
 target, Llama-3.2-1B's passes paced as the draft), bfloat16, the synthetic drafter at alpha 0.8, gamma 5:
 
   repeats     the same comparison four times in one process: each run's tokens/s, every one within 10% of
               the median and the first timed run as fast as the rest; with each run's counts (CUDA
               allocator: device mallocs and retries; Python's garbage collections) to rule causes in or out,
               and a profile of the slowest and the fastest baseline when they differ
-  lossless    the verdict of every run (engine.lossless): identical, or rounding; never a bug
+  lossless    the verdict of every run (engine.decoding.lossless): identical, or rounding; never a bug
   alpha       the synthetic drafter's measured alpha over all runs, within 0.05 of the 0.8 asked
   app         the app's /compare against the engine on the same settings (app.measure): tokens/s >= 0.95
   compile     a cold and a warm compile in fresh processes sharing one compile cache: <= 120 s and <= 30 s
@@ -23,6 +23,7 @@ Without a GPU it runs repeats, lossless, alpha and app on a CPU-sized shape and 
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import os
 import statistics
@@ -99,7 +100,7 @@ class Counts:
 def run_repeats(s: Settings, times: int = 4) -> list[dict]:
     """The same comparison `times` times in this process: speeds, verdicts, alpha counts and counts per run."""
     from engine.compare import compare
-    from engine.metrics import position_counts
+    from engine.decoding.metrics import position_counts
 
     runs = []
     for _ in range(times):
@@ -165,9 +166,7 @@ def profile_runs(s: Settings, times: int = 2) -> list[dict]:
 def check_app(s: Settings, repeats: int = 4) -> Check:
     """The app's /compare against the engine, both on these settings, through app.measure (a program of its own:
     the engine never imports the web app)."""
-    try:
-        import gradio  # noqa: F401 - only asks whether the app can run here
-    except ImportError:
+    if importlib.util.find_spec("gradio") is None:  # asked, not imported: the engine never loads the web app
         return Check("app", "SKIP", "gradio is not installed here: the app cannot run", {})
     out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
     command = [sys.executable, "-m", "app.measure", "--repeats", str(repeats), "--json", out, "--settings",
@@ -219,8 +218,8 @@ def check_compile(s: Settings) -> tuple[Check, dict | None]:
 
 
 def check_bound(s: Settings, warm: dict | None) -> Check:
-    from engine import random_models
-    from engine.sizing import count_params
+    from engine.models import random_shapes as random_models
+    from engine.models.sizing import count_params
 
     name = torch.cuda.get_device_name()
     rate = bandwidth(name)

@@ -13,11 +13,11 @@ import threading
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
-from engine.backends import guarded
+from engine.backends.transformers import guarded
 from engine.compare import open_backend, result_of, run, warm_up
+from engine.decoding.lossless import judge
+from engine.decoding.metrics import RunResult, position_counts
 from engine.errors import UserError
-from engine.lossless import judge
-from engine.metrics import RunResult, position_counts
 from engine.settings import TAKES_DRAFT, Settings
 
 Progress = Callable[[int, int, str], None]  # (done, total, what)
@@ -45,7 +45,7 @@ class Sample:
     mean_accepted_length: float
     new_tokens: int
     identical: bool | None
-    lossless: str | None  # greedy: the verdict's kind (engine.lossless): identical, rounding, differs, unjudged
+    lossless: str | None  # greedy: the verdict (engine.decoding.lossless): identical, rounding, differs, unjudged
     baseline_step_s: float  # decode time per baseline token
     draft_token_s: float | None  # draft time per drafted token
     verify_pass_s: float  # verify time per decode pass
@@ -142,7 +142,7 @@ class Session:
         self.base = base.validate()
         self._progress, self.stop = progress, stop
         self.at = (0, 1)  # the last (done, total) reported: a status line in between keeps the bar where it is
-        from engine.suffix import SuffixMemory
+        from engine.decoding.suffix import SuffixMemory
 
         self.memory = SuffixMemory()  # the suffix drafter's: a cell's earlier prompts (sweep clears it per cell)
         self.backend = open_backend(base)
@@ -262,7 +262,7 @@ def sweep(
         command = getattr(session.backend, "command_line", lambda: "")()
         cells.append(Cell(drafter, gamma, temperature, samples, categories, p_min, command))
     progress(total, total, "done")
-    from engine.predict import fit_all
+    from engine.measure.predict import fit_all
 
     settings = _settings(base, flat, repeats) | {"gammas": gammas, "temperatures": temperatures, "drafters": drafters,
                                                  "p_mins": p_mins}  # fmt: skip

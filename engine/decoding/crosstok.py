@@ -14,8 +14,8 @@ needed, so no vocabulary overlap is either; the overlap only says how often the 
 
 from __future__ import annotations
 
-from engine.drafters import Draft, Drafter, DraftModel
-from engine.sampling import SamplingConfig
+from engine.decoding.drafters import Draft, Drafter, DraftModel
+from engine.decoding.sampling import SamplingConfig
 
 BOUNDARY = 4  # target tokens re-encoded with the draft's text
 GREEDY = SamplingConfig()

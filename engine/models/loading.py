@@ -6,7 +6,7 @@ A model is named by a *spec*:
     the cache directory, so later loads take a fraction of a second and need no network;
   - a local folder holding ``config.json`` and weights;
   - a Hugging Face Hub id, optionally pinned as ``org/name@revision``;
-  - ``random:<shape>``: random weights in the shape of a known model (engine.random_models), for speed
+  - ``random:<shape>``: random weights in the shape of a known model (engine.models.random_shapes), for speed
     measurements at real sizes with nothing to download.
 
 Loaded models are kept in a small least-recently-used cache keyed by (source, dtype, device).
@@ -29,12 +29,12 @@ from typing import Callable
 
 import torch
 
-from engine import random_models
-from engine.cpu import NEVER, choose_forms, pack_linears, shape_key
+from engine.decoding.runtime import compile_decoding, measure_verify_costs, time_passes, time_strict
 from engine.errors import OutOfMemory, UserError
-from engine.runtime import compile_decoding, measure_verify_costs, time_passes, time_strict
-from engine.settings import BUNDLED, MAX_GAMMA
-from engine.sizing import context_length
+from engine.models import random_shapes as random_models
+from engine.models.cpu import NEVER, choose_forms, pack_linears, shape_key
+from engine.models.sizing import context_length
+from engine.settings import BUNDLED, MAX_GAMMA, cache_dir
 
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The bundled model on the Hub (full-precision weights; the package ships them as Q4_1): where the bundled spec
@@ -49,11 +49,6 @@ Progress = Callable[[str], None]
 
 def _quiet(_: str) -> None:
     pass
-
-
-def cache_dir() -> Path:
-    """Where converted models live: $SPECARENA_CACHE, else ~/.cache/specarena."""
-    return Path(os.environ.get("SPECARENA_CACHE", Path.home() / ".cache" / "specarena"))
 
 
 def trust_remote_code() -> bool:
@@ -90,7 +85,7 @@ class Source:
     path: Path | None = None
     repo_id: str | None = None
     revision: str | None = None
-    shape: str | None = None  # a random-weight model of this shape (engine.random_models)
+    shape: str | None = None  # a random-weight model of this shape (engine.models.random_shapes)
 
     @property
     def location(self) -> str:
@@ -178,6 +173,32 @@ def _plain_config(folder: Path) -> None:
         path.write_text(json.dumps(config, indent=2))
 
 
+def gguf_path(spec: str, progress=lambda message: None) -> Path:
+    """The GGUF file a model spec names: the bundled model as it ships, a local .gguf file, or a file of a
+    Hub repo written `org/repo/file.gguf` (optionally `@revision`)."""
+    spec = (spec or "").strip()
+    if spec in (BUNDLED, "bundled"):
+        return bundled_gguf()
+    path = Path(spec).expanduser()
+    if path.exists() or spec.startswith((".", "/", "~")):
+        if not path.is_file() or path.suffix != ".gguf":
+            raise UserError(f"{spec!r} is not a .gguf file: llama.cpp runs GGUF models.")
+        return path
+    name, _, revision = spec.partition("@")
+    parts = name.split("/")
+    if len(parts) < 3 or not name.endswith(".gguf"):
+        raise UserError(f"llama.cpp runs GGUF files: name {spec!r} as org/repo/file.gguf (a file of a Hub repo), "
+                        f"a local .gguf file, or {BUNDLED}.")  # fmt: skip
+    from huggingface_hub import hf_hub_download
+
+    progress(f"fetching {name} from the Hugging Face Hub")
+    try:
+        return Path(hf_hub_download("/".join(parts[:2]), "/".join(parts[2:]), revision=revision or None))
+    except Exception as exc:  # noqa: BLE001 - the Hub's many errors become one message
+        raise UserError(f"could not fetch {name} from the Hugging Face Hub ({type(exc).__name__}): check the "
+                        "repo and file name, and the network.") from None  # fmt: skip
+
+
 @dataclass
 class LoadedModel:
     """A model ready to run, with the tokenizer that was saved beside it."""
@@ -192,7 +213,7 @@ class LoadedModel:
     vocab_size: int = field(default=0)  # rows of the output layer (may exceed the tokenizer's by padding)
     packed_linears: int = field(default=0)  # linear layers running oneDNN-packed weights for some passes
     compiled: bool = field(default=False)  # decode and verify passes run through torch.compile
-    linear_forms: str = field(default="")  # which form of the linear layers runs for which pass size (engine.cpu)
+    linear_forms: str = field(default="")  # which linear-layer form runs for which pass size (engine.models.cpu)
     step_s: float | None = field(default=None)  # a one-token forward pass (after 64 tokens), timed at load
     origin: str = field(default="")  # where the weights came from, where the spec does not say (the bundled fallback)
 

@@ -102,12 +102,12 @@ def _cell(settings: dict, best: dict):
 
 
 def llama_server(settings: dict, best: dict) -> str:
-    """llama-server with the flags the llama.cpp backend would start for the best cell (engine.llamacpp builds
+    """llama-server with the flags the llama.cpp backend would start for the best cell (engine.backends.llamacpp builds
     both), its GGUF files named after the models. llama.cpp sizes no draft adaptively: the best gamma is its
     most."""
     from dataclasses import replace
 
-    from engine.llamacpp import spec_flags
+    from engine.backends.llamacpp import spec_flags
 
     cell = _cell(settings, best)
     cell = replace(cell, adaptive=False, draft_min=min(cell.draft_min, cell.gamma))
@@ -119,7 +119,7 @@ def llama_server(settings: dict, best: dict) -> str:
 def vllm_serve(settings: dict, best: dict) -> str:
     """The vLLM command with exactly the speculative_config the best cell was measured with (built by the same
     function that configured the server), its models named by their Hub ids."""
-    from engine.vllm_backend import draft_location, speculative_config
+    from engine.backends.vllm import draft_location, speculative_config
 
     cell = _cell(settings, best)
     config = speculative_config(cell, draft_location(cell))

@@ -42,7 +42,7 @@ class StepEvent:
     draft_passes: int = 0
     draft_note: str = ""  # why the draft was shorter than asked, when the drafter says (a confidence stop)
     top: list[list] = field(default_factory=list)  # greedy: per emitted token, [first id, score, second id,
-    # score] of the pass that chose it (engine.lossless); empty where not kept
+    # score] of the pass that chose it (engine.decoding.lossless); empty where not kept
     finished: str | None = None  # "eos" | "length" | "stopped" on the last event
 
     def to_dict(self) -> dict:

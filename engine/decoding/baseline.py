@@ -11,10 +11,10 @@ from typing import Iterator
 
 import torch
 
-from engine.lossless import top_two
-from engine.metrics import StepEvent
-from engine.runtime import Clock, TextStream, emit, forward, prefill
-from engine.sampling import SamplingConfig, choose
+from engine.decoding.lossless import top_two
+from engine.decoding.metrics import StepEvent
+from engine.decoding.runtime import Clock, TextStream, emit, forward, prefill
+from engine.decoding.sampling import SamplingConfig, choose
 
 
 @torch.inference_mode()  # per resumption: a UI may resume this generator on another thread
@@ -29,7 +29,7 @@ def baseline_decode(
     width: int = 0,
 ) -> Iterator[StepEvent]:
     """Yield one StepEvent per generated token until EOS, max_new_tokens or `stop`. `width`: strict mode, every
-    pass padded to that many rows, as the speculative run's verify passes are (engine.runtime.forward)."""
+    pass padded to that many rows, as the speculative run's verify passes are (engine.decoding.runtime.forward)."""
     clock = Clock(target.device)
     generator = cfg.generator(target.device)
     stream = TextStream(tokenizer)

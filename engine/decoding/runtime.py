@@ -10,9 +10,9 @@ from typing import Iterator
 
 import torch
 
-from engine.lossless import top_two
-from engine.metrics import StepEvent
-from engine.sampling import choose
+from engine.decoding.lossless import top_two
+from engine.decoding.metrics import StepEvent
+from engine.decoding.sampling import choose
 from engine.settings import MAX_GAMMA
 
 
@@ -126,7 +126,7 @@ def forward(model, token_ids: list[int], cache, keep: int = 0, width: int = 0) -
     `width` > 0 (strict mode) runs a pass of up to `width` tokens padded to exactly `width` rows, all of whose
     logits are computed: every such pass then runs the same kernels, so a token's logits do not depend on
     whether it came in a one-token pass or a verify pass (in 16 bits they otherwise round differently;
-    engine.lossless). Longer inputs (a prompt) run as they are. Padding goes after the real tokens, so
+    engine.decoding.lossless). Longer inputs (a prompt) run as they are. Padding goes after the real tokens, so
     causal attention keeps it out of their results; its keys and values are cropped off again."""
     n = len(token_ids)
     step = getattr(model, "compiled_step", None)
@@ -204,7 +204,7 @@ def measure_verify_costs(model, max_draft: int, repeats: int = 2, context: int =
     """costs[k]: the time of the target pass that verifies a k-token draft (k + 1 tokens) over a one-token
     pass, for k = 0..max_draft, on this model and device. Timed at every k (best of `repeats`) after a
     `context`-token prefix, and kept non-decreasing: a longer pass never costs less, whatever the noise says
-    (a pass size that is dearer than a longer one runs padded to it on CPU: engine.cpu). Every k, not a few
+    (a pass size that is dearer than a longer one runs padded to it on CPU: engine.models.cpu). Every k, not a few
     points: costs do not grow smoothly (a two-row pass once cost ~12% more than a three-row one). A compiled
     model runs each size twice first: the first call compiles, the second records the CUDA graph.
 

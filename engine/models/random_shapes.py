@@ -20,8 +20,8 @@ import functools
 
 import torch
 
-from engine import sizing
 from engine.errors import OutOfMemory, UserError
+from engine.models import sizing
 
 PREFIX = "random:"
 SHAPES = {
@@ -99,7 +99,7 @@ def build(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0):
 def config_folder(shape: str):
     """A model folder with this shape's config and tokenizer and no weights, for engines that build random
     weights themselves (vLLM's --load-format dummy)."""
-    from engine.models import cache_dir
+    from engine.settings import cache_dir
 
     folder = cache_dir() / f"random-{shape}"
     if not (folder / "config.json").is_file():

@@ -6,7 +6,7 @@ confidence cut-off, or `prompt_lookup_num_tokens`), our baseline, our speculativ
 end to end (new tokens / wall time including the prefill), since `generate()` reports nothing finer.
 
 HF runs the models as `from_pretrained` returns them, as its users would; ours runs them as SpecArena
-loads them, which on CPU includes oneDNN-packed linear layers (engine.cpu). SPECARENA_CPU_PACK=0 makes
+loads them, which on CPU includes oneDNN-packed linear layers (engine.models.cpu). SPECARENA_CPU_PACK=0 makes
 both sides use stock layers, to compare the decoding loops alone.
 """
 
@@ -16,11 +16,11 @@ import statistics
 
 import torch
 
-from engine.bench import Progress, Session, _quiet, spread
+from engine.decoding.runtime import Clock, eos_ids
 from engine.errors import UserError
-from engine.models import MODELS
-from engine.predict import expected_tokens
-from engine.runtime import Clock, eos_ids
+from engine.measure.bench import Progress, Session, _quiet, spread
+from engine.measure.predict import expected_tokens
+from engine.models.loading import MODELS
 from engine.settings import Settings
 from engine.worker import ENGINE
 

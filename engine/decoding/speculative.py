@@ -5,7 +5,7 @@ draft q, gamma (draft length), alpha (acceptance rate). Each step:
 
   1. draft:    the drafter proposes up to gamma tokens x_1..x_gamma after the sequence so far;
   2. verify:   the target scores [last, x_1..x_gamma] in ONE pass -> gamma+1 next-token distributions;
-  3. accept:   keep the longest prefix that passes the rejection rule (engine.sampling.verify), then add
+  3. accept:   keep the longest prefix that passes the rejection rule (engine.decoding.sampling.verify), then add
                the target's own token: the correction at the first rejection, or a bonus if all passed;
   4. roll back: crop the rejected tokens' keys/values from the target cache (the drafter crops its own).
 
@@ -22,11 +22,11 @@ from typing import Iterator
 
 import torch
 
-from engine.drafters import Drafter
-from engine.lossless import top_two
-from engine.metrics import StepEvent
-from engine.runtime import Clock, TextStream, emit, forward, prefill
-from engine.sampling import SamplingConfig, verify
+from engine.decoding.drafters import Drafter
+from engine.decoding.lossless import top_two
+from engine.decoding.metrics import StepEvent
+from engine.decoding.runtime import Clock, TextStream, emit, forward, prefill
+from engine.decoding.sampling import SamplingConfig, verify
 from engine.settings import MAX_GAMMA
 
 
@@ -43,8 +43,8 @@ def speculative_decode(
     width: int = 0,
 ) -> Iterator[StepEvent]:
     """Yield one StepEvent per target pass until EOS, max_new_tokens or `stop`. The drafter sizes each
-    draft (engine.drafters) and hears after each step how much of it the target kept. `width`: strict mode,
-    every verify pass padded to that many rows, as the baseline's passes are (engine.runtime.forward); a
+    draft (engine.decoding.drafters) and hears after each step how much of it the target kept. `width`: strict mode,
+    every verify pass padded to that many rows, as the baseline's passes are (engine.decoding.runtime.forward); a
     draft never outgrows it."""
     clock = Clock(target.device)
     generator = cfg.generator(target.device)
@@ -90,7 +90,7 @@ def speculative_decode(
         t3 = clock.now()
 
         rejected = [tokenizer.decode([t]) for t in draft.tokens[n:]]  # for display only: outside the clocks
-        t0 += draft.untimed_s  # a measurement drafter's bookkeeping (engine.drafters.Synthetic) is not drafting
+        t0 += draft.untimed_s  # a measurement drafter's bookkeeping (drafters.Synthetic) is not drafting
         elapsed += t3 - t0
         ids += tokens
         produced += len(tokens)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 
-from engine.metrics import leviathan_speedup
+from engine.decoding.metrics import leviathan_speedup
 from engine.settings import MAX_GAMMA
 
 

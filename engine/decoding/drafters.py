@@ -2,7 +2,7 @@
 
 One small interface for every drafter (after transformers' CandidateGenerator): ``propose`` returns
 draft token ids and, when the drafter has them, its probabilities q over the vocabulary. Verification
-never lives here; it is in engine.sampling.verify, the same for all drafters.
+never lives here; it is in engine.decoding.sampling.verify, the same for all drafters.
 
 - DraftModel: a smaller causal LM with the same vocabulary and its own KV cache.
 - PromptLookup: n-gram matching over prompt + generated text (Saxena 2023), no model; q is one-hot.
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.runtime import forward, new_cache
-from engine.sampling import SamplingConfig, logits_to_probs, sample
+from engine.decoding.runtime import forward, new_cache
+from engine.decoding.sampling import SamplingConfig, logits_to_probs, sample
 from engine.settings import MAX_GAMMA
 
 
@@ -40,7 +40,7 @@ class Drafter(ABC):
 
     name = "drafter"
     min_tokens = 0  # a shorter draft is dropped rather than verified (llama.cpp's --spec-draft-n-min)
-    width = 0  # strict mode: the draft model's passes at the run's width too (engine.runtime.forward)
+    width = 0  # strict mode: the draft model's passes at the run's width too (engine.decoding.runtime.forward)
     max_len: int | None = None  # tokens a draft model's cache must hold (a static cache needs it up front)
 
     def __init__(self, gamma: int = 4, adaptive: bool = False):
@@ -266,11 +266,11 @@ class Synthetic(Drafter):
     at a given acceptance rate. alpha=1 is an oracle, alpha=0 an adversary.
 
     Drafting costs nothing, unless `pace` is a draft model: then it runs that model's passes for every
-    draft and throws their tokens away, so a random-weight pair of real sizes (engine.random_models)
+    draft and throws their tokens away, so a random-weight pair of real sizes (engine.models.random_shapes)
     shows the speed a trained pair of those sizes would reach at this alpha.
 
     A run can leave the reference: in 16 bits a verify pass may round the target's two best tokens the other
-    way than the baseline's pass did (engine.lossless), and from there every "right" token of a reference
+    way than the baseline's pass did (engine.decoding.lossless), and from there every "right" token of a reference
     read by position would be wrong (alpha 0.8 asked, 0.02 measured on a GPU). So where the run's text
     leaves the reference, `regenerate(ids, n)` gives the target's next n greedy tokens from the run's own text,
     and the reference goes on from there. That is the tool's bookkeeping, not drafting: its time is reported

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
-from engine import random_models, sizing
-from engine.models import hub_folder, load_tokenizer, resolve, resolve_device, resolve_dtype, trust_remote_code
-from engine.sizing import context_length, kv_bytes_per_token
+from engine.models import random_shapes as random_models
+from engine.models import sizing
+from engine.models.loading import hub_folder, load_tokenizer, resolve, resolve_device, resolve_dtype, trust_remote_code
+from engine.models.sizing import context_length, kv_bytes_per_token
 
 PROBES = ["Hello, world! 123", "def f(x):\n    return x * 2", "Ünïcödé — 日本語 🙂"]
 RANK = {"ok": 0, "note": 1, "warn": 2, "fail": 3}
@@ -40,7 +41,7 @@ def _config(spec: str):
 
 def vocab_check(target_tok, draft_tok) -> Check:
     """Same ids for the same tokens (drafts are verified id by id), or another tokenizer (drafts are re-encoded
-    into the target's ids at every step: engine.crosstok)."""
+    into the target's ids at every step: engine.decoding.crosstok)."""
     t, d = target_tok.get_vocab(), draft_tok.get_vocab()
     if t == d:
         return Check("vocabulary", "ok", f"identical ({len(t)} tokens)")
@@ -60,7 +61,7 @@ def vocab_check(target_tok, draft_tok) -> Check:
 
 
 def same_ids(check: Check) -> bool:
-    """Whether drafts can be verified id by id (else they go through the text: engine.crosstok)."""
+    """Whether drafts can be verified id by id (else they go through the text: engine.decoding.crosstok)."""
     return check.status in ("ok", "note")
 
 
@@ -174,8 +175,8 @@ def gguf_vocab_check(target: dict, draft: dict) -> Check:
 
 def diagnose_gguf(target: str, draft: str | None = None) -> dict:
     """The pair doctor for llama.cpp: GGUF files (the bundled model as it ships, a local or Hub .gguf)."""
-    from engine.llamacpp import gguf_path
-    from engine.sizing import free_memory_bytes
+    from engine.models.loading import gguf_path
+    from engine.models.sizing import free_memory_bytes
 
     specs = {"target": target} | ({"draft": draft} if draft else {})
     facts = {role: gguf_facts(gguf_path(spec)) for role, spec in specs.items()}

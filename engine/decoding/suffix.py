@@ -22,7 +22,7 @@ import os
 import threading
 from collections import OrderedDict
 
-from engine.drafters import PromptLookup
+from engine.decoding.drafters import PromptLookup
 from engine.settings import MAX_GAMMA
 
 MAX_MATCH = 12  # longest suffix of the current text looked up

@@ -202,7 +202,7 @@ def choose_forms(model, layers: list[PackedLinear], key: str, cache_file: Path) 
     if not layers:
         return {"min_rows": None, "pad": (), "linear_forms": "stock nn.Linear (not packed here)", "measured": None}
     key = f"{key}|{cpu_id()}|{torch.get_num_threads()} threads|torch {torch.__version__}|forms v{FORMS_VERSION}"
-    from engine.runtime import time_passes
+    from engine.decoding.runtime import time_passes
 
     known = _read(cache_file)
     measured = None

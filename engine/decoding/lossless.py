@@ -18,7 +18,7 @@ gaps are the same), and `judge` reads the first position where the runs part:
 - unjudged: the backend reported no scores there, or the other run's token was not among a pass's two best
   while those two were within rounding of each other (a three-way tie), so the cause cannot be told.
 
-Strict mode (engine.runtime.forward's `width`) runs every target pass of both runs at one width, so the
+Strict mode (engine.decoding.runtime.forward's `width`) runs every target pass of both runs at one width, so the
 kernels and their rounding are the same and even 16-bit greedy ids come out identical.
 """
 

@@ -1,14 +1,12 @@
-"""Where a comparison runs. A backend opens a pair for some Settings (yielding Status events while it
-loads), encodes prompts, and runs baseline and speculative generation as StepEvents; compare, bench and
-the app ask a backend and never care which. `transformers` is the in-process engine of this package:
-models loaded by engine.models, the loops in engine.baseline and engine.speculative.
+"""The in-process backend: the pair loaded by engine.models on this machine's CPU or GPU, the loops of
+engine.decoding.baseline and engine.decoding.speculative run on the engine thread (engine.worker). It also
+decides strict mode (one pass width for both runs) and compiles what a run needs before it is timed.
 """
 
 from __future__ import annotations
 
 import os
 import platform
-import queue
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,18 +14,18 @@ from typing import Generator, Iterator
 
 import torch
 
-from engine.baseline import baseline_decode
-from engine.cpu import cpu_name
-from engine.drafters import Drafter, DraftModel, PromptLookup, Synthetic
+from engine.decoding.baseline import baseline_decode
+from engine.decoding.drafters import Drafter, DraftModel, PromptLookup, Synthetic
+from engine.decoding.metrics import StepEvent
+from engine.decoding.runtime import encode_prompt, eos_ids, precompile
+from engine.decoding.sampling import SamplingConfig
+from engine.decoding.speculative import speculative_decode
 from engine.errors import OutOfMemory, UserError, blame
 from engine.events import Status
-from engine.metrics import StepEvent
-from engine.models import MODELS, LoadedModel, free_memory, resolve_device
-from engine.runtime import encode_prompt, eos_ids, precompile
-from engine.sampling import SamplingConfig
+from engine.models.cpu import cpu_name
+from engine.models.loading import MODELS, LoadedModel, free_memory, resolve_device
 from engine.settings import MAX_GAMMA, Settings
-from engine.speculative import speculative_decode
-from engine.worker import ENGINE
+from engine.worker import ENGINE, in_thread
 
 STRICT_MARGIN = 0.05  # strict mode is on by default where it costs a one-token pass no more than this
 
@@ -36,7 +34,7 @@ STRICT_MARGIN = 0.05  # strict mode is on by default where it costs a one-token 
 class Pair:
     target: LoadedModel
     draft: LoadedModel | None
-    same_ids: bool = True  # False: the draft has another tokenizer, its drafts go through text (engine.crosstok)
+    same_ids: bool = True  # False: another tokenizer, drafts go through text (engine.decoding.crosstok)
 
 
 @contextmanager
@@ -52,25 +50,6 @@ def guarded():
         ) from exc
 
 
-def in_thread(work) -> Generator[Status, None, object]:
-    """Run work(say) on the engine thread (engine.worker), yielding what it says as Status events while it runs,
-    and return its result (or raise its error here). Loading a model or starting a server takes a while, and
-    what it reports (a download's progress, a server's log) should reach the caller as it happens. On the
-    engine thread itself (a benchmark runs whole there) the work runs inline and its messages follow it."""
-    if ENGINE.on_it():
-        said: list[str] = []
-        value = work(said.append)
-        for message in said:
-            yield Status(message)
-        return value
-    messages: queue.Queue = queue.Queue()
-    job = ENGINE.submit(work, messages.put)
-    job.add_done_callback(lambda _: messages.put(None))
-    while (message := messages.get()) is not None:
-        yield Status(message)
-    return job.result()
-
-
 def _load(spec: str, s: Settings, loaded: list[str]) -> Generator[Status, None, LoadedModel]:
     """MODELS.get in a worker thread (in_thread); a model that was not in memory yet is added to `loaded`."""
     if not MODELS.has(spec, s.dtype, s.device, compile=s.compile):
@@ -84,7 +63,7 @@ class Transformers:
     name = "transformers"
 
     def __init__(self):
-        from engine.suffix import memory_for
+        from engine.decoding.suffix import memory_for
 
         self.pair: Pair | None = None
         self.loaded: list[str] = []  # models that open() had to load (not already in memory)
@@ -119,7 +98,7 @@ class Transformers:
     @staticmethod
     def _same_ids(target: LoadedModel, draft: LoadedModel | None) -> bool:
         """Speculation verifies token ids: a draft with another tokenizer drafts through text instead."""
-        from engine.doctor import same_ids, vocab_check
+        from engine.models.doctor import same_ids, vocab_check
 
         return draft is None or same_ids(vocab_check(target.tokenizer, draft.tokenizer))
 
@@ -228,7 +207,7 @@ class Transformers:
     def drafter(self, s: Settings, ids: list[int], reference: list[int]) -> Drafter:
         pair, room = self.pair, len(ids) + s.max_new_tokens + MAX_GAMMA
         if s.drafter == "draft-model" and not pair.same_ids:
-            from engine.crosstok import CrossTokenizerDraft
+            from engine.decoding.crosstok import CrossTokenizerDraft
 
             return CrossTokenizerDraft(pair.draft.model, pair.draft.tokenizer, pair.target.tokenizer, room * 4,
                                        s.gamma, s.adaptive, s.p_min)  # fmt: skip
@@ -239,22 +218,10 @@ class Transformers:
             costs = pair.target.verify_costs if s.adaptive else None
             return PromptLookup(max_ngram=s.ngram, costs=costs, gamma=s.gamma)
         if s.drafter == "suffix":
-            from engine.suffix import SuffixDrafter
+            from engine.decoding.suffix import SuffixDrafter
 
             return SuffixDrafter(self.memory, s.gamma, pair.target.verify_costs if s.adaptive else None)
         pace = DraftModel(pair.draft.model, pair.target.vocab_size, gamma=MAX_GAMMA) if s.uses_draft else None
         seed = s.seed or 0
         return Synthetic(len(ids), reference, s.alpha, pair.target.vocab_size, seed, pace, s.gamma, s.adaptive,
                          regenerate=lambda at, n: self.greedy(at, n, self.strict["width"]))  # fmt: skip
-
-
-def backend_for(s: Settings):
-    if s.backend == "vllm":
-        from engine.vllm_backend import VLLM
-
-        return VLLM()
-    if s.backend == "llama.cpp":
-        from engine.llamacpp import LlamaCpp
-
-        return LlamaCpp()
-    return Transformers()

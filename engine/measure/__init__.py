@@ -1,0 +1,17 @@
+"""Measuring speculation: many comparisons, and what to believe of them.
+
+    bench       A/B sweeps over gamma, temperature and drafters, the task suite
+    hfcompare   ours against Hugging Face generate() and assisted generation, in one process
+    load        server backends under concurrent load; overhead: our path on vLLM against raw reads
+    predict     the Leviathan model fitted to measured alpha, draft cost and verify cost
+    trust       reasons to doubt a speedup (a busy machine, a first run, far from prediction)
+    report      exports: JSON, CSV, settings and the engines' command lines
+    gpucheck    the one-shot diagnosis of the GPU path
+"""
+
+from engine import exports
+
+__all__ = ["sweep", "compare_hf", "load_curve", "suspicions", "diagnose"]
+__getattr__ = exports(__name__, {
+    "sweep": "bench", "compare_hf": "hfcompare", "load_curve": "load", "suspicions": "trust", "diagnose": "gpucheck",
+})  # fmt: skip

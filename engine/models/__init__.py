@@ -1,0 +1,16 @@
+"""Models: what a spec names, loading it, and what a pair needs before any weights load.
+
+    loading        specs (Hub id, folder, bundled, random shape) to loaded models, kept in an LRU cache
+    random_shapes  random weights in the shapes of real models, for measuring at real sizes offline
+    cpu            the CPU's identity, and the linear layers' forms (stock or oneDNN-packed, padding)
+    sizing         parameters, KV cache bytes, context length, free memory
+    doctor         the pair doctor: vocabulary, context, memory, from configs and tokenizers
+"""
+
+from engine import exports
+
+__all__ = ["MODELS", "LoadedModel", "resolve", "load_tokenizer", "diagnose", "diagnose_gguf"]
+__getattr__ = exports(__name__, {
+    "MODELS": "loading", "LoadedModel": "loading", "resolve": "loading", "load_tokenizer": "loading",
+    "diagnose": "doctor", "diagnose_gguf": "doctor",
+})  # fmt: skip
