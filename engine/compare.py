@@ -48,11 +48,12 @@ def warm_up(backend, ids: list[int], s: Settings) -> Iterator[Status]:
     on a shorter one would leave the timed run to allocate its own (and record new CUDA graphs for it) while
     its clocks run. A server is asked for WARM_STEPS tokens instead: closing its stream early would leave it
     generating into the timed run."""
-    if hasattr(backend, "prepare"):
+    in_process = hasattr(backend, "prepare")  # only the in-process backend compiles, or has static caches
+    if in_process:
         yield from backend.prepare(ids, s)
     runs = {"baseline": backend.baseline, "speculative": lambda ids, s: backend.speculative(ids, s, [])}
     for mode, start in runs.items():
-        if hasattr(backend, "prepare"):
+        if in_process:
             steps = start(ids, s)
             for _ in itertools.islice(steps, WARM_STEPS):
                 pass

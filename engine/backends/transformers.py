@@ -17,7 +17,7 @@ import torch
 from engine.decoding.baseline import baseline_decode
 from engine.decoding.drafters import Drafter, DraftModel, PromptLookup, Synthetic
 from engine.decoding.metrics import StepEvent
-from engine.decoding.runtime import encode_prompt, eos_ids, precompile
+from engine.decoding.runtime import capacity, encode_prompt, eos_ids, precompile
 from engine.decoding.sampling import SamplingConfig
 from engine.decoding.speculative import speculative_decode
 from engine.errors import OutOfMemory, UserError, blame
@@ -28,6 +28,11 @@ from engine.settings import MAX_GAMMA, Settings
 from engine.worker import ENGINE, in_thread
 
 STRICT_MARGIN = 0.05  # strict mode is on by default where it costs a one-token pass no more than this
+
+
+def widest_pass(s: Settings) -> int:
+    """The most tokens a target pass of these settings takes: the last token and the longest draft."""
+    return (MAX_GAMMA if s.adaptive else s.gamma) + 1
 
 
 @dataclass
@@ -147,7 +152,7 @@ class Transformers:
         16-bit dtypes (float32 passes of any width have given the same ids everywhere so far) where a pass that
         wide costs a one-token pass no more than STRICT_MARGIN (measured once per model and width): on a GPU,
         whose small passes are bandwidth-bound, nearly always; on a CPU, as measured."""
-        width = (MAX_GAMMA if s.adaptive else s.gamma) + 1
+        width = widest_pass(s)
         wanted = s.strict == "on" or (s.strict == "auto" and self.pair.target.dtype != torch.float32)
         cost = ENGINE.call(self.pair.target.strict_cost, width) if wanted else None
         on = s.strict == "on" or (wanted and cost <= 1 + STRICT_MARGIN)
@@ -161,9 +166,8 @@ class Transformers:
 
     def _prepare(self, ids: list[int], s: Settings) -> Iterator[Status]:
         width = self.strict_width(s)
-        longest = (MAX_GAMMA if s.adaptive else s.gamma) + 1
         draft = self.pair.draft if s.uses_draft else None
-        plans = [("target", self.pair.target, "run", [width] if width else range(1, longest + 1))]
+        plans = [("target", self.pair.target, "run", [width] if width else range(1, widest_pass(s) + 1))]
         if draft is not None:
             plans.append(("draft", draft, "draft", [width] if width else [1, 2]))
         for name, loaded, role, rows in plans:
@@ -172,7 +176,7 @@ class Transformers:
             yield Status(f"compiling the {name}'s passes (cached in {os.environ.get('TORCHINDUCTOR_CACHE_DIR')}: "
                          "a minute or more the first time, seconds after)")  # fmt: skip
             with torch.inference_mode():
-                for size, took in precompile(loaded.model, rows, len(ids) + s.max_new_tokens + MAX_GAMMA, role,
+                for size, took in precompile(loaded.model, rows, capacity(len(ids), s.max_new_tokens), role,
                                              static=width > 0):  # fmt: skip
                     yield Status(f"compiled the {name}'s {size}-token passes in {took:.1f} s")
 
@@ -205,11 +209,12 @@ class Transformers:
         return [t for step in steps for t in step.tokens]
 
     def drafter(self, s: Settings, ids: list[int], reference: list[int]) -> Drafter:
-        pair, room = self.pair, len(ids) + s.max_new_tokens + MAX_GAMMA
+        pair = self.pair
         if s.drafter == "draft-model" and not pair.same_ids:
             from engine.decoding.crosstok import CrossTokenizerDraft
 
-            return CrossTokenizerDraft(pair.draft.model, pair.draft.tokenizer, pair.target.tokenizer, room * 4,
+            room = 4 * capacity(len(ids), s.max_new_tokens)  # its own tokens: up to a few per target token
+            return CrossTokenizerDraft(pair.draft.model, pair.draft.tokenizer, pair.target.tokenizer, room,
                                        s.gamma, s.adaptive, s.p_min)  # fmt: skip
         if s.drafter == "draft-model":
             return DraftModel(pair.draft.model, pair.target.vocab_size, gamma=s.gamma, adaptive=s.adaptive,

@@ -189,7 +189,7 @@ def time_strict(model, width: int, steps: int = 16, repeats: int = 3, context: i
     clock = Clock(model.device)
     text = model.config.get_text_config()
     context = fitting(model, context, width + steps)
-    room = context + 128 + MAX_GAMMA  # a typical run's capacity
+    room = capacity(context, 128)  # a typical run's capacity
     prefix = [i % text.vocab_size for i in range(context)]
     best = {0: float("inf"), width: float("inf")}
     for round_ in range(repeats + 1):  # the first round untimed
@@ -297,12 +297,19 @@ def emit(stream: TextStream, tokens: list[int], eos: set[int], room: int) -> tup
     return out, [stream.push(t) for t in out], finished
 
 
+def capacity(prompt_len: int, max_new_tokens: int) -> int:
+    """Tokens a run's KV caches must hold: the prompt, the new tokens, and a draft past the last of them. The
+    target's cache, a draft model's and the compiled warm-up's all take this one number, so that in strict
+    mode they attend over as many keys (new_cache)."""
+    return prompt_len + max_new_tokens + MAX_GAMMA
+
+
 def prefill(model, prompt_ids, cfg, generator, stream, eos, max_new_tokens, clock, static: bool = False
             ) -> tuple[StepEvent, object]:  # fmt: skip
-    """Encode the prompt into a fresh cache and choose the first token (both loops start this way). The cache
-    has room for a draft past the last token, as a draft model's cache does (the same capacity in strict mode)."""
+    """Encode the prompt into a fresh cache (of the run's `capacity`) and choose the first token (both loops
+    start this way)."""
     start = clock.now()
-    cache = new_cache(model, len(prompt_ids) + max_new_tokens + MAX_GAMMA, static=static)
+    cache = new_cache(model, capacity(len(prompt_ids), max_new_tokens), static=static)
     logits = forward(model, prompt_ids, cache, keep=1)[-1]  # (V,)
     token, p = choose(logits, cfg, generator)
     top = top_two(logits[None]) if cfg.greedy else []

@@ -25,9 +25,8 @@ import torch
 from engine.decoding.drafters import Drafter
 from engine.decoding.lossless import top_two
 from engine.decoding.metrics import StepEvent
-from engine.decoding.runtime import Clock, TextStream, emit, forward, prefill
+from engine.decoding.runtime import Clock, TextStream, capacity, emit, forward, prefill
 from engine.decoding.sampling import SamplingConfig, verify
-from engine.settings import MAX_GAMMA
 
 
 @torch.inference_mode()  # per resumption: a UI may resume this generator on another thread
@@ -49,7 +48,7 @@ def speculative_decode(
     clock = Clock(target.device)
     generator = cfg.generator(target.device)
     stream = TextStream(tokenizer)
-    drafter.fit(len(prompt_ids) + max_new_tokens + MAX_GAMMA, width)  # a draft cache as large as the target's
+    drafter.fit(capacity(len(prompt_ids), max_new_tokens), width)  # a draft cache as large as the target's
     drafter.reset()
     event, cache = prefill(target, prompt_ids, cfg, generator, stream, eos, max_new_tokens, clock, width > 0)
     elapsed = event.elapsed_s

