@@ -158,26 +158,32 @@ def fitting(model, context: int, more: int) -> int:
     return max(1, min(context, limit - more)) if limit else context
 
 
-def time_passes(model, rows, repeats: int = 3, context: int = 64, warmup: int = 1) -> dict[int, float]:
+def time_passes(model, rows, repeats: int = 3, context: int = 64, warmup: int = 1, variants=None):
     """Best-of-`repeats` seconds of a forward pass of each row count, after a `context`-token prefix (shorter
-    where the model's positions end before the prefix and the longest pass). The sizes take turns, round
-    after round, the first `warmup` rounds untimed, so that a burst of load from elsewhere slows one round of
-    every size rather than every try of one size."""
+    where the model's positions end before the prefix and the longest pass): {rows: seconds}. The sizes take
+    turns, round after round, the first `warmup` rounds untimed, so that a burst of load from elsewhere slows
+    one round of every size rather than every try of one size.
+
+    `variants` ({name: a function that sets the model up one way}, such as a layout of its weights): each size
+    is timed in each variant, the variants taking turns too, and {name: {rows: seconds}} is returned."""
     clock = Clock(model.device)
     text = model.config.get_text_config()
     context = fitting(model, context, max(rows))
     cache = new_cache(model, context + max(rows), role="measure")
     forward(model, [i % text.vocab_size for i in range(context)], cache, keep=1)
-    best = dict.fromkeys(rows, float("inf"))
+    setups = variants or {None: lambda: None}
+    best = {name: dict.fromkeys(rows, float("inf")) for name in setups}
     for round_ in range(warmup + repeats):
         for n in rows:
-            start = clock.now()
-            forward(model, [1] * n, cache)
-            took = clock.now() - start
-            cache.crop(-n)
-            if round_ >= warmup:
-                best[n] = min(best[n], took)
-    return best
+            for name, setup in setups.items():
+                setup()
+                start = clock.now()
+                forward(model, [1] * n, cache)
+                took = clock.now() - start
+                cache.crop(-n)
+                if round_ >= warmup:
+                    best[name][n] = min(best[name][n], took)
+    return best if variants else best[None]
 
 
 def time_strict(model, width: int, steps: int = 16, repeats: int = 3, context: int = 64) -> float:

@@ -1,37 +1,39 @@
-"""CPU speed: run linear layers on oneDNN-packed weights where that is faster, measured on this machine.
+"""CPU speed: run each pass's linear layers on the weight layout that is fastest for its size, measured here.
 
-A stock float32 nn.Linear on CPU calls a BLAS GEMM that re-packs the weight matrix on every call; a weight
-packed once for oneDNN skips that. Which is faster depends on the CPU and on the pass size: on an AMD EPYC
-(AVX2) packed weights made one-token and verify passes of the bundled model ~1.4x faster; on an Intel Xeon
-(AVX512) they made one-token passes ~25% slower and multi-token verify passes faster. A playground whose
-baseline runs slower than it could overstates what speculation buys.
+A stock float32 nn.Linear on CPU computes x @ W.T: a BLAS GEMM that reads the weight transposed. Two other
+layouts of the same weight compute the same product: "transposed", W.T stored contiguous once, so the GEMM
+reads it in order; and "packed", the weight reordered once for oneDNN. Which is fastest depends on the CPU
+and on the pass size. On an AMD EPYC (AVX2) packed weights made one-token and verify passes of the bundled
+model ~1.4x faster; on an Intel Xeon (AVX512) they made one-token passes ~25% slower and verify passes
+faster; on an Intel Xeon with AMX neither beat stock layers for one row, and transposed weights made passes
+of 4-8 rows 10-12% cheaper (best of 5, ms: 4 rows 53.4 stock / 47.8 transposed / 51.4 packed, 5 rows 55.4 /
+49.0 / 52.5, one row 34.8 / 33.9 / 44.0). A playground whose passes run slower than they could overstates
+or understates what speculation buys.
 
-So each linear layer holds both forms at load, `choose_forms` times whole forward passes of the model in
-each form at 1, 2, 3, 5, 9 and 17 rows, and every layer then runs the packed weight from the smallest pass
-size from which packed wins at every size measured, the stock GEMM below it. A form that never runs is
-freed; where both are kept and the second copy of the weights would take over a quarter of the free
-memory, the form fastest for one-token passes (the baseline's) serves every pass. The choice is cached per
-architecture and sizes (not path), dtype, CPU, thread count and torch version, so it is measured once.
+So each linear layer holds the forms at load (a form whose copy would take over a quarter of the free memory
+is not made), `choose_forms` times whole forward passes of the model in each form at every size from 1 to
+PAD_ROWS rows, in turns, and each size then runs in the form that is fastest for it, if that form beats the
+stock layers by more than FORM_GAIN: a win inside the timing noise can only lose to stock layers (what
+Hugging Face runs) in whole runs. Passes longer than PAD_ROWS (a prompt) run in the form chosen for
+PAD_ROWS. A form that no pass uses is freed. The choice is cached per architecture and sizes (not path),
+dtype, CPU, thread count and torch version, so it is measured once.
 Baseline and speculative runs use the same layers, so a pass of a given size runs the same form in both.
 
 Within a form, a pass is not always cheaper for having fewer rows: on an AMD EPYC (AVX512) a two-row pass of
 the bundled model took ~45 ms and a three-row pass ~40 ms, the same as one row (oneDNN picks its kernel by
-row count). So `choose_forms` then times whole passes of every size from 1 to PAD_ROWS rows, and a pass
-runs padded with zero rows up to the cheapest size at or above its own where that is clearly faster
-(`pad`); the extra rows' outputs are dropped. The verify cost of a k-token draft is then never more than
-that of a longer one, and the adaptive drafters see the true costs.
+row count). So a pass also runs padded with zero rows up to the cheapest size at or above its own where that
+is clearly faster (`pad`, PAD_GAIN); the extra rows' outputs are dropped. The verify cost of a k-token draft
+is then never more than that of a longer one, and the adaptive drafters see the true costs.
 
 The weight is packed without a batch-size hint: packed for one row (hint 1), oneDNN ran 2-5-row passes
-~1.5x slower than one row. Results match nn.Linear to float32 rounding (~1e-5).
+~1.5x slower than one row. Every form matches nn.Linear to float32 rounding (~1e-5).
 
-The measurement must see what the runs will see. On an Intel Xeon with AMX the forms chosen at load lost to
+The measurement must see what the runs will see. On the AMX Xeon the forms once chosen at load lost to
 stock layers in whole runs (ours / HF generate 0.85, with stock layers 1.01): the choice was timed on the
 thread that loaded the model, while the runs went on another, and on 2 cores a thread's torch work runs up to
 3x slower while another thread's OpenMP team is about (engine.worker); and packed weights won by any margin,
-however thin. Now loading, timing and runs share the engine thread, each size is timed best of 5, and
-packed weights and padding must each save more than 5% (FORM_GAIN, PAD_GAIN). Measured there with this rule
-(best of 5, ms): one-token pass 35.5 stock / 45 packed, five rows 57 / 52-57, seventeen 74-78 / 68-75, so
-stock layers serve passes below 6 rows there and nothing is padded (a 2-row pass costs 14% more than one row).
+however thin. Now loading, timing and runs share the engine thread, each size is timed best of 5 with the
+forms taking turns, and a form and padding must each save more than 5%.
 
 SPECARENA_CPU_PACK: auto (default) measures; 1 packs every pass; 0 keeps stock layers. Float32 on CPU only;
 any failure leaves the model as it was.
@@ -48,44 +50,58 @@ from pathlib import Path
 import psutil
 import torch
 
-ROWS = (1, 2, 3, 5, 9, 17)  # pass sizes timed: a decode step, verify passes of 1-16 draft tokens
-NEVER = 1 << 30  # min_rows that no pass reaches: the layer stays stock
-PAD_ROWS = 17  # passes of up to this many rows may run padded to a cheaper size
+FORMS = ("stock", "transposed", "packed")  # stock first: what a form must beat, and what HF runs
+PAD_ROWS = 17  # pass sizes timed (a decode step, verify passes of 1-16 draft tokens); longer ones run as this
 PAD_GAIN = 0.05  # padding must save this share of the pass, more than the timing noise
-FORM_GAIN = 0.05  # packed weights must save this share of a pass at every size they serve; else stock layers
-FORMS_VERSION = 3  # cached choices of an older version are measured again (3: the margin above, engine thread)
+FORM_GAIN = 0.05  # a form must save this share of a pass over stock layers to serve it
+FORMS_VERSION = 4  # cached choices of an older version are measured again (4: the transposed form, per size)
 
 
-class PackedLinear(torch.nn.Module):
-    """Inference-only stand-in for nn.Linear: the oneDNN-packed weight for passes of at least `min_rows`
-    rows, the stock weight below that. Whichever form no pass uses is dropped (`keep_only`)."""
+class CpuLinear(torch.nn.Module):
+    """Inference-only stand-in for nn.Linear that holds the weight in several layouts (`FORMS`) and runs each
+    pass in the one its size is given by `table` (table[n]: the form for a pass of n rows; longer passes take
+    the last). Forms that no pass uses are dropped (`keep_only`)."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, linear: torch.nn.Linear, forms: tuple[str, ...] = FORMS):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight.detach()
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)  # no batch hint: see above
+        weight = linear.weight.detach()
+        self.weights = {"stock": weight}
+        if "transposed" in forms:
+            self.weights["transposed"] = weight.t().contiguous()
+        if "packed" in forms:
+            self.weights["packed"] = torch.ops.mkldnn._reorder_linear_weight(weight)  # no batch hint: see above
         self.bias = None if linear.bias is None else linear.bias.detach()
-        self.min_rows = 1
+        self.table: tuple[str, ...] = ("stock",)
         self.pad: tuple[int, ...] = ()  # pad[n]: the rows a pass of n rows runs as (shared by every layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        rows = flat.shape[0]
+        # as lean as nn.Linear's own forward where the form is stock: a wrapper that cost a few microseconds more
+        # per call made every one-token pass of the bundled model ~3% slower than Hugging Face's (211 calls)
+        rows = x.numel() // self.in_features
         if rows < len(self.pad) and self.pad[rows] > rows:
-            flat = torch.cat([flat, flat.new_zeros(self.pad[rows] - rows, self.in_features)])
-        if flat.shape[0] >= self.min_rows:
-            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
-        else:
-            out = torch.nn.functional.linear(flat, self.weight, self.bias)
-        return out[:rows].reshape(*x.shape[:-1], self.out_features)
+            flat = torch.cat([x.reshape(rows, self.in_features), x.new_zeros(self.pad[rows] - rows, self.in_features)])
+            return self._run(flat, self.pad[rows])[:rows].reshape(*x.shape[:-1], self.out_features)
+        return self._run(x, rows)
 
-    def keep_only(self, min_rows: int) -> None:
-        self.min_rows = min_rows
-        if min_rows <= 1:
-            self.weight = None  # packed serves every pass
-        elif min_rows >= NEVER:
-            self.packed = None  # stock serves every pass
+    def _run(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        form = self.table[min(rows, len(self.table) - 1)]
+        weight = self.weights[form]
+        if form == "stock":
+            return torch.nn.functional.linear(x, weight, self.bias)
+        if form == "transposed":
+            out = torch.matmul(x, weight)
+            return out if self.bias is None else out.add_(self.bias)
+        flat = x.reshape(-1, self.in_features)
+        out = torch.ops.mkldnn._linear_pointwise(flat, weight, self.bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def use(self, table: tuple[str, ...]) -> None:
+        self.table = table
+
+    def keep_only(self, table: tuple[str, ...]) -> None:
+        self.table = table
+        self.weights = {form: w for form, w in self.weights.items() if form in table}
 
 
 def mode() -> str:
@@ -102,22 +118,37 @@ def enabled(model: torch.nn.Module) -> bool:
     )
 
 
-def pack_linears(model: torch.nn.Module) -> list[PackedLinear]:
-    """Swap every nn.Linear for a PackedLinear holding both forms, in place; [] where packing is not used."""
+def _linears(model) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if type(child) is torch.nn.Linear]  # fmt: skip
+
+
+def fitting_forms(model) -> tuple[str, ...]:
+    """The forms this model's linear layers can hold: stock, and each other form whose copy of the weights (on
+    top of those before it) stays within a quarter of the free memory; packed alone besides stock with
+    SPECARENA_CPU_PACK=1; () where the forms are not used at all."""
     if not enabled(model):
-        return []
-    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if type(child) is torch.nn.Linear]  # fmt: skip
+        return ()
+    copy_bytes = sum(child.weight.numel() * child.weight.element_size() for _, _, child in _linears(model))
+    wanted = ("packed",) if mode() == "1" else FORMS[1:]
+    free = psutil.virtual_memory().available
+    return ("stock",) + tuple(form for i, form in enumerate(wanted, 1) if i * copy_bytes <= 0.25 * free)
+
+
+def wrap_linears(model: torch.nn.Module, forms: tuple[str, ...]) -> list[CpuLinear]:
+    """Swap every nn.Linear for a CpuLinear holding `forms`, in place; [] (the model as it was) where one
+    cannot be made."""
     try:
-        packed = [(parent, name, PackedLinear(child)) for parent, name, child in targets]
-        probe = packed[0][2] if packed else None
-        if probe is not None:
+        wrapped = [(parent, name, CpuLinear(child, forms)) for parent, name, child in _linears(model)]
+        probe = wrapped[0][2] if wrapped else None
+        for form in forms if probe is not None else ():
+            probe.use((form,))
             probe(torch.zeros(2, probe.in_features))
     except (RuntimeError, AttributeError):
         return []
-    for parent, name, module in packed:
+    for parent, name, module in wrapped:
         setattr(parent, name, module)
-    return [module for _, _, module in packed]
+    return [module for _, _, module in wrapped]
 
 
 def _cpuinfo_field(field: str) -> str:
@@ -161,16 +192,16 @@ def shape_key(model) -> str:
     return f"{type(model).__name__} " + "/".join(str(getattr(cfg, name, "-")) for name in names)
 
 
-def _decide(stock: dict[int, float], packed: dict[int, float]) -> int:
-    """The smallest measured pass size from which packed wins by more than FORM_GAIN at every larger size; NEVER
-    if it never does. Stock layers are what Hugging Face runs: a form chosen on a margin inside the timing noise
-    can only lose to them in whole runs."""
-    min_rows = NEVER
-    for n in sorted(stock, reverse=True):
-        if packed[n] >= (1 - FORM_GAIN) * stock[n]:
-            break
-        min_rows = n
-    return min_rows
+def _choose(times: dict[str, dict[int, float]]) -> tuple[str, ...]:
+    """table[n] for n = 0..PAD_ROWS: the form fastest for passes of n rows, where it beats stock layers by more
+    than FORM_GAIN; else stock. Stock layers are what Hugging Face runs: a form chosen on a margin inside the
+    timing noise can only lose to them in whole runs."""
+    stock = times["stock"]
+    table = ["stock"]
+    for n in sorted(stock):
+        best = min(times, key=lambda form: times[form][n])
+        table.append(best if times[best][n] < (1 - FORM_GAIN) * stock[n] else "stock")
+    return tuple(table)
 
 
 def _pad_table(times: dict[int, float]) -> tuple[int, ...]:
@@ -183,60 +214,73 @@ def _pad_table(times: dict[int, float]) -> tuple[int, ...]:
     return tuple(pad) if any(m != n for n, m in enumerate(pad)) else ()
 
 
-def describe(min_rows: int, pad: tuple[int, ...] = ()) -> str:
-    if min_rows <= 1:
-        text = "oneDNN-packed for every pass"
-    elif min_rows >= NEVER:
-        text = "stock nn.Linear for every pass"
+NAMES = {"stock": "stock nn.Linear", "transposed": "transposed weights", "packed": "oneDNN-packed"}
+
+
+def describe(table: tuple[str, ...], pad: tuple[int, ...] = ()) -> str:
+    """The table in words: "stock nn.Linear for 1-3 rows, transposed weights from 4"."""
+    runs: list[list] = []  # [form, first rows, last rows]
+    for n, form in enumerate(table[1:], 1):
+        if runs and runs[-1][0] == form:
+            runs[-1][2] = n
+        else:
+            runs.append([form, n, n])
+    if len(runs) <= 1:
+        text = f"{NAMES[table[-1]]} for every pass"
     else:
-        text = f"stock nn.Linear below {min_rows} rows, oneDNN-packed from {min_rows}"
+        parts = [f"{NAMES[form]} for {first}" + (f"-{last}" if last > first else "") + (" rows" if last > 1 else " row")
+                 for form, first, last in runs[:-1]]  # fmt: skip
+        text = ", ".join(parts) + f", {NAMES[runs[-1][0]]} from {runs[-1][1]}"
     padded = [f"{n} as {m}" for n, m in enumerate(pad) if m != n]
     return text + (f"; passes of {', '.join(padded)} rows (cheaper)" if padded else "")
 
 
-def choose_forms(model, layers: list[PackedLinear], key: str, cache_file: Path) -> dict:
-    """Measure (or recall) which form is faster for which pass size, and which pass sizes run padded, and
-    keep only what is used. Returns {"min_rows", "pad", "linear_forms", "measured"}: the pass size from
-    which packed weights run, the padding table, both in words, and the timings behind them (None when
-    recalled from the cache)."""
-    if not layers:
-        return {"min_rows": None, "pad": (), "linear_forms": "stock nn.Linear (not packed here)", "measured": None}
+def choose_forms(model, key: str, cache_file: Path, progress=lambda message: None) -> dict:
+    """Give the model's linear layers the form that is fastest for each pass size: measured here (saying so
+    through `progress`) or recalled, and only the forms used are made. Returns {"layers", "table", "pad",
+    "linear_forms", "measured"}: the CpuLinear layers ([] where the model keeps its own), the form per pass
+    size and the padding table, both in words, and the timings behind them (None when recalled)."""
+    forms = fitting_forms(model)
+    stock = {"layers": [], "table": ("stock",), "pad": (), "linear_forms": "stock nn.Linear",
+             "measured": None}  # fmt: skip
+    if len(forms) <= 1:
+        return stock
     key = f"{key}|{cpu_id()}|{torch.get_num_threads()} threads|torch {torch.__version__}|forms v{FORMS_VERSION}"
-    from engine.decoding.runtime import time_passes
-
+    key += "" if forms == FORMS else f"|{'+'.join(forms)}"  # with less memory, fewer forms to choose from
     known = _read(cache_file)
     measured = None
     if mode() == "1":
-        min_rows, pad = 1, ()
+        table, pad = ("packed",), ()
     elif key in known:
-        min_rows, pad = known[key]["min_rows"], tuple(known[key]["pad"])
+        table, pad = tuple(known[key]["table"]), tuple(known[key]["pad"])
+    if mode() == "1" or key in known:
+        layers = wrap_linears(model, tuple(form for form in forms if form in table))
     else:
-        with torch.inference_mode():
-            for layer in layers:
-                layer.min_rows = NEVER
-            stock = time_passes(model, ROWS, repeats=5)
-            for layer in layers:
-                layer.min_rows = 1
-            packed = time_passes(model, ROWS, repeats=5)
-            min_rows = _decide(stock, packed)
-            if 1 < min_rows < NEVER and _second_copy_too_big(layers):
-                min_rows = 1 if packed[1] < stock[1] else NEVER  # one form only: the baseline's fastest
-            for layer in layers:
-                layer.min_rows = min_rows
-            each = time_passes(model, tuple(range(1, PAD_ROWS + 1)), repeats=5)
-        pad = _pad_table(each)
-        measured = {"stock_s": stock, "packed_s": packed, "rows_s": each}
-        entry = {"min_rows": min_rows, "pad": list(pad)}
-        _write(cache_file, dict(list(known.items())[-255:]) | {key: entry})  # the latest 256 choices
+        layers = wrap_linears(model, forms)
+        if layers:
+            progress("timing the linear layers in each weight layout and pass size (once per architecture and CPU)")
+            table, pad, measured = _measure(model, layers, forms)
+            _write(cache_file, dict(list(known.items())[-255:]) | {key: {"table": list(table), "pad": list(pad)}})
+    if not layers:
+        return stock
     for layer in layers:
-        layer.keep_only(min_rows)
+        layer.keep_only(table)
         layer.pad = pad
-    return {"min_rows": min_rows, "pad": pad, "linear_forms": describe(min_rows, pad), "measured": measured}
+    return {"layers": layers, "table": table, "pad": pad, "linear_forms": describe(table, pad), "measured": measured}
 
 
-def _second_copy_too_big(layers: list[PackedLinear]) -> bool:
-    extra = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers)
-    return extra > 0.25 * psutil.virtual_memory().available
+def _measure(model, layers: list[CpuLinear], forms: tuple[str, ...]):
+    from engine.decoding.runtime import time_passes
+
+    def use(form):
+        return lambda: [layer.use((form,)) for layer in layers]
+
+    with torch.inference_mode():
+        times = time_passes(model, tuple(range(1, PAD_ROWS + 1)), repeats=5,
+                            variants={form: use(form) for form in forms})  # fmt: skip
+    table = _choose(times)
+    pad = _pad_table({n: times[table[n]][n] for n in range(1, PAD_ROWS + 1)})
+    return table, pad, {f"{form}_s": times[form] for form in forms}  # the latest 256 choices are kept
 
 
 def _read(path: Path) -> dict:

@@ -32,7 +32,7 @@ import torch
 from engine.decoding.runtime import compile_decoding, measure_verify_costs, time_passes, time_strict
 from engine.errors import OutOfMemory, UserError
 from engine.models import random_shapes as random_models
-from engine.models.cpu import NEVER, choose_forms, pack_linears, shape_key
+from engine.models.cpu import choose_forms, shape_key
 from engine.models.sizing import context_length
 from engine.settings import BUNDLED, MAX_GAMMA, cache_dir
 
@@ -216,7 +216,7 @@ class LoadedModel:
     load_s: float
     params: int = field(default=0)
     vocab_size: int = field(default=0)  # rows of the output layer (may exceed the tokenizer's by padding)
-    packed_linears: int = field(default=0)  # linear layers running oneDNN-packed weights for some passes
+    reformed_linears: int = field(default=0)  # linear layers running a weight layout other than stock for some passes
     compiled: bool = field(default=False)  # decode and verify passes run through torch.compile
     linear_forms: str = field(default="")  # which linear-layer form runs for which pass size (engine.models.cpu)
     step_s: float | None = field(default=None)  # a one-token forward pass (after 64 tokens), timed at load
@@ -392,13 +392,11 @@ def _load(
     model.eval().requires_grad_(False)
     params = sum(p.numel() for p in model.parameters())
     vocab = int(model.get_output_embeddings().weight.shape[0])
-    forms = {"min_rows": None, "linear_forms": ""}
-    if device.type == "cpu":
-        layers = pack_linears(model) if pack else []
-        if layers:
-            progress(f"timing {source.spec}'s linear layers, stock, packed and padded (once per architecture and CPU)")
-        forms = choose_forms(model, layers, f"{shape_key(model)}|{dtype}", cache_dir() / "cpu-forms.json")
-    packed = 0 if forms["min_rows"] in (None, NEVER) else len(layers)
+    forms = {"layers": [], "table": ("stock",), "linear_forms": "stock nn.Linear" if device.type == "cpu" else ""}
+    if device.type == "cpu" and pack:
+        forms = choose_forms(model, f"{shape_key(model)}|{dtype}", cache_dir() / "cpu-forms.json",
+                             lambda message: progress(f"{source.spec}: {message}"))  # fmt: skip
+    reformed = len(forms["layers"]) if set(forms["table"]) != {"stock"} else 0
     with torch.inference_mode():  # what one decode step costs right now: the yardstick for suspect runs
         step_s = time_passes(model, (1,))[1]
     if compile:
@@ -408,7 +406,7 @@ def _load(
         compile_decoding(model)
     took = time.perf_counter() - start
     origin = f"{source.repo_id} from the Hugging Face Hub" if source.spec == BUNDLED and source.repo_id else ""
-    return LoadedModel(source.spec, model, tokenizer, device, dtype, took, params, vocab, packed, compile,
+    return LoadedModel(source.spec, model, tokenizer, device, dtype, took, params, vocab, reformed, compile,
                        forms["linear_forms"], step_s, origin)  # fmt: skip
 
 
