@@ -235,34 +235,35 @@ def describe(table: tuple[str, ...], pad: tuple[int, ...] = ()) -> str:
     return text + (f"; passes of {', '.join(padded)} rows (cheaper)" if padded else "")
 
 
+# what a model whose linear layers keep their own form reports (another device or dtype, or no room for a copy)
+STOCK = {"layers": [], "table": ("stock",), "pad": (), "linear_forms": "stock nn.Linear", "measured": None}
+
+
 def choose_forms(model, key: str, cache_file: Path, progress=lambda message: None) -> dict:
     """Give the model's linear layers the form that is fastest for each pass size: measured here (saying so
     through `progress`) or recalled, and only the forms used are made. Returns {"layers", "table", "pad",
     "linear_forms", "measured"}: the CpuLinear layers ([] where the model keeps its own), the form per pass
     size and the padding table, both in words, and the timings behind them (None when recalled)."""
     forms = fitting_forms(model)
-    stock = {"layers": [], "table": ("stock",), "pad": (), "linear_forms": "stock nn.Linear",
-             "measured": None}  # fmt: skip
     if len(forms) <= 1:
-        return stock
+        return STOCK
     key = f"{key}|{cpu_id()}|{torch.get_num_threads()} threads|torch {torch.__version__}|forms v{FORMS_VERSION}"
     key += "" if forms == FORMS else f"|{'+'.join(forms)}"  # with less memory, fewer forms to choose from
     known = _read(cache_file)
+    recalled = {"table": ["packed"], "pad": []} if mode() == "1" else known.get(key)
     measured = None
-    if mode() == "1":
-        table, pad = ("packed",), ()
-    elif key in known:
-        table, pad = tuple(known[key]["table"]), tuple(known[key]["pad"])
-    if mode() == "1" or key in known:
+    if recalled is not None:
+        table, pad = tuple(recalled["table"]), tuple(recalled["pad"])
         layers = wrap_linears(model, tuple(form for form in forms if form in table))
     else:
         layers = wrap_linears(model, forms)
         if layers:
             progress("timing the linear layers in each weight layout and pass size (once per architecture and CPU)")
             table, pad, measured = _measure(model, layers, forms)
-            _write(cache_file, dict(list(known.items())[-255:]) | {key: {"table": list(table), "pad": list(pad)}})
+            entry = {"table": list(table), "pad": list(pad)}
+            _write(cache_file, dict(list(known.items())[-255:]) | {key: entry})  # the latest 256 choices
     if not layers:
-        return stock
+        return STOCK
     for layer in layers:
         layer.keep_only(table)
         layer.pad = pad
@@ -270,6 +271,8 @@ def choose_forms(model, key: str, cache_file: Path, progress=lambda message: Non
 
 
 def _measure(model, layers: list[CpuLinear], forms: tuple[str, ...]):
+    """Every pass size timed in every form (time_passes, the forms taking turns): the table, the padding and
+    the timings."""
     from engine.decoding.runtime import time_passes
 
     def use(form):
@@ -280,7 +283,7 @@ def _measure(model, layers: list[CpuLinear], forms: tuple[str, ...]):
                             variants={form: use(form) for form in forms})  # fmt: skip
     table = _choose(times)
     pad = _pad_table({n: times[table[n]][n] for n in range(1, PAD_ROWS + 1)})
-    return table, pad, {f"{form}_s": times[form] for form in forms}  # the latest 256 choices are kept
+    return table, pad, {f"{form}_s": times[form] for form in forms}
 
 
 def _read(path: Path) -> dict:

@@ -32,7 +32,7 @@ import torch
 from engine.decoding.runtime import compile_decoding, measure_verify_costs, time_passes, time_strict
 from engine.errors import OutOfMemory, UserError
 from engine.models import random_shapes as random_models
-from engine.models.cpu import choose_forms, shape_key
+from engine.models.cpu import STOCK, choose_forms, shape_key
 from engine.models.sizing import context_length
 from engine.settings import BUNDLED, MAX_GAMMA, cache_dir
 
@@ -392,11 +392,12 @@ def _load(
     model.eval().requires_grad_(False)
     params = sum(p.numel() for p in model.parameters())
     vocab = int(model.get_output_embeddings().weight.shape[0])
-    forms = {"layers": [], "table": ("stock",), "linear_forms": "stock nn.Linear" if device.type == "cpu" else ""}
+    forms = STOCK
     if device.type == "cpu" and pack:
         forms = choose_forms(model, f"{shape_key(model)}|{dtype}", cache_dir() / "cpu-forms.json",
                              lambda message: progress(f"{source.spec}: {message}"))  # fmt: skip
     reformed = len(forms["layers"]) if set(forms["table"]) != {"stock"} else 0
+    linear_forms = forms["linear_forms"] if device.type == "cpu" else ""
     with torch.inference_mode():  # what one decode step costs right now: the yardstick for suspect runs
         step_s = time_passes(model, (1,))[1]
     if compile:
@@ -407,7 +408,7 @@ def _load(
     took = time.perf_counter() - start
     origin = f"{source.repo_id} from the Hugging Face Hub" if source.spec == BUNDLED and source.repo_id else ""
     return LoadedModel(source.spec, model, tokenizer, device, dtype, took, params, vocab, reformed, compile,
-                       forms["linear_forms"], step_s, origin)  # fmt: skip
+                       linear_forms, step_s, origin)  # fmt: skip
 
 
 def _random(source: Source, device: torch.device, dtype: torch.dtype):
