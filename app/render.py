@@ -165,6 +165,7 @@ def environment_line(env: dict | None) -> str:
     parts = [
         env.get("device_name", "") + (f", {threads} threads" if threads and env.get("device") != "cuda" else ""),
         env.get("dtype", ""),
+        "lean forward" if env.get("forward") == "lean" else "",
         f"linears: {env['linear_forms']}" if env.get("linear_forms") else "",
         strict_line(env),
         *(f"{name} {env[key]}" for key, name in (("torch", "torch"), ("transformers", "transformers"),

@@ -288,7 +288,9 @@ def versions(env: dict) -> str:
         return f"vLLM {env.get('vllm')}"
     if env.get("backend") == "llama.cpp":
         return f"llama.cpp {env.get('llama_cpp')}, {env.get('threads')} threads"
-    forms = f", linears: {env['linear_forms']}" if env.get("linear_forms") else ""
+    forms = (", lean forward" if env.get("forward") == "lean" else "") + (
+        f", linears: {env['linear_forms']}" if env.get("linear_forms") else ""
+    )
     return f"torch {env['torch']}, transformers {env['transformers']}{forms}"
 
 

@@ -123,6 +123,7 @@ class Transformers:
             "device_name": name,
             "cpu_threads": ENGINE.call(torch.get_num_threads),  # the engine thread's OpenMP team
             "dtype": str(target.dtype).replace("torch.", ""),
+            "forward": "lean" if target.lean else "transformers",  # engine.decoding.lean
             "linear_forms": target.linear_forms,
             "draft_tokenizer": None if self.pair.draft is None else "same ids" if self.pair.same_ids else
             "another: drafts re-encoded through text",

@@ -6,6 +6,7 @@
     suffix        suffix decoding over a session's earlier outputs; crosstok: a draft with another tokenizer
     sampling      logits to probabilities, sampling, the rejection rule that keeps sampling lossless
     runtime       the forward pass (strict width, compiled buckets), caches, clock, prompt and text
+    lean          a Llama-family forward pass on CPU in fewer tensor operations, bit-identical, and its cache
     metrics       StepEvent, the per-step record, and RunResult's metrics
     lossless      the verdict where greedy runs part: rounding or a bug, from the passes' scores
 """

@@ -10,6 +10,7 @@ from typing import Iterator
 
 import torch
 
+from engine.decoding.lean import LeanCache
 from engine.decoding.lossless import top_two
 from engine.decoding.metrics import StepEvent
 from engine.decoding.sampling import choose
@@ -104,6 +105,8 @@ def new_cache(model, max_len: int | None = None, role: str = "run", static: bool
     from transformers import DynamicCache, StaticCache
 
     if getattr(model, "compiled_step", None) is None and not static:
+        if getattr(model, "lean", None) is not None:  # engine.decoding.lean
+            return LeanCache(model, (max_len or 224) + BUCKETS[-1])
         return DynamicCache(config=model.config)
     if max_len is None:
         raise ValueError("a static cache needs its length up front")
@@ -129,6 +132,8 @@ def forward(model, token_ids: list[int], cache, keep: int = 0, width: int = 0) -
     engine.decoding.lossless). Longer inputs (a prompt) run as they are. Padding goes after the real tokens, so
     causal attention keeps it out of their results; its keys and values are cropped off again."""
     n = len(token_ids)
+    if type(cache) is LeanCache:  # a lean pass (engine.decoding.lean): never padded, never compiled
+        return model.lean(torch.tensor([token_ids], dtype=torch.long), cache, keep)
     step = getattr(model, "compiled_step", None)
     # a cache's first pass runs eagerly: it allocates the cache there, where it can be marked as static for
     # CUDA graphs (inside a compiled pass the tensors would become graph outputs, overwritten by the next replay)

@@ -6,8 +6,9 @@ confidence cut-off, or `prompt_lookup_num_tokens`), our baseline, our speculativ
 end to end (new tokens / wall time including the prefill), since `generate()` reports nothing finer.
 
 HF runs the models as `from_pretrained` returns them, as its users would; ours runs them as SpecArena
-loads them, which on CPU includes oneDNN-packed linear layers (engine.models.cpu). SPECARENA_CPU_PACK=0 makes
-both sides use stock layers, to compare the decoding loops alone.
+loads them, which on CPU includes the lean forward pass (engine.decoding.lean) and the linear layers' weight
+layouts (engine.models.cpu). SPECARENA_LEAN=0 SPECARENA_CPU_PACK=0 makes both sides run the model's own
+forward on stock layers, to compare the decoding loops alone.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class ForwardClock:
     def __init__(self, model):
         self.seconds, self.passes, self._began = 0.0, 0, 0.0
         self.clock = Clock(model.device)
-        self._hooks = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
+        runs = getattr(model, "lean", None) or model  # ours may run the lean forward (engine.decoding.lean)
+        self._hooks = [runs.register_forward_pre_hook(self._pre), runs.register_forward_hook(self._post)]
 
     def _pre(self, *_):
         self._began = self.clock.now()

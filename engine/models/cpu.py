@@ -54,7 +54,9 @@ FORMS = ("stock", "transposed", "packed")  # stock first: what a form must beat,
 PAD_ROWS = 17  # pass sizes timed (a decode step, verify passes of 1-16 draft tokens); longer ones run as this
 PAD_GAIN = 0.05  # padding must save this share of the pass, more than the timing noise
 FORM_GAIN = 0.05  # a form must save this share of a pass over stock layers to serve it
-FORMS_VERSION = 4  # cached choices of an older version are measured again (4: the transposed form, per size)
+# cached choices of an older version are measured again (4: the transposed form, per size; 5: timed in the lean
+# forward pass, engine.decoding.lean, whose smaller overhead makes a layout's gain a larger share of a pass)
+FORMS_VERSION = 5
 
 
 class CpuLinear(torch.nn.Module):

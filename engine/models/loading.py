@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from engine.decoding.lean import attach as attach_lean
 from engine.decoding.runtime import compile_decoding, measure_verify_costs, time_passes, time_strict
 from engine.errors import OutOfMemory, UserError
 from engine.models import random_shapes as random_models
@@ -221,6 +222,7 @@ class LoadedModel:
     linear_forms: str = field(default="")  # which linear-layer form runs for which pass size (engine.models.cpu)
     step_s: float | None = field(default=None)  # a one-token forward pass (after 64 tokens), timed at load
     origin: str = field(default="")  # where the weights came from, where the spec does not say (the bundled fallback)
+    lean: bool = field(default=False)  # its passes run the lean forward (engine.decoding.lean), not the model's own
 
     @property
     def context_length(self) -> int | None:
@@ -251,8 +253,10 @@ class LoadedModel:
 
     def describe(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")
-        extras = (f", linears: {self.linear_forms}" if self.linear_forms else "") + (
-            ", compiled" if self.compiled else ""
+        extras = (
+            (", lean forward" if self.lean else "")
+            + (f", linears: {self.linear_forms}" if self.linear_forms else "")
+            + (", compiled" if self.compiled else "")
         )
         origin = f" ({self.origin})" if self.origin else ""
         return (
@@ -392,6 +396,8 @@ def _load(
     model.eval().requires_grad_(False)
     params = sum(p.numel() for p in model.parameters())
     vocab = int(model.get_output_embeddings().weight.shape[0])
+    # the lean pass first, so that the layouts below are timed in the passes that will run them
+    lean = device.type == "cpu" and pack and not compile and attach_lean(model)
     forms = STOCK
     if device.type == "cpu" and pack:
         forms = choose_forms(model, f"{shape_key(model)}|{dtype}", cache_dir() / "cpu-forms.json",
@@ -408,7 +414,7 @@ def _load(
     took = time.perf_counter() - start
     origin = f"{source.repo_id} from the Hugging Face Hub" if source.spec == BUNDLED and source.repo_id else ""
     return LoadedModel(source.spec, model, tokenizer, device, dtype, took, params, vocab, reformed, compile,
-                       linear_forms, step_s, origin)  # fmt: skip
+                       linear_forms, step_s, origin, lean)  # fmt: skip
 
 
 def _random(source: Source, device: torch.device, dtype: torch.dtype):
