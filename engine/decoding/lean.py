@@ -76,8 +76,6 @@ class LeanCache:
         self.values: list[torch.Tensor] = []
         self._allocate(capacity)
 
-    is_initialized = True
-
     def _allocate(self, capacity: int) -> None:
         shape = (*self.shape[:2], capacity, self.shape[3])
         with torch.inference_mode():
