@@ -87,6 +87,8 @@ def test_lean_forward_only_where_it_computes_the_same(monkeypatch):
     dynamic = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                            num_attention_heads=2, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
     assert not supported(dynamic)  # its rotary frequencies change per pass
+    remote = type("LlamaForCausalLM", (type(tiny_llama()),), {"__module__": "transformers_modules.someone.model"})
+    assert not supported(remote(tiny_llama().config))  # remote code that only shares the name
     eager = tiny_llama()
     eager.config._attn_implementation = "eager"
     assert not supported(eager)

@@ -41,6 +41,7 @@ def supported(model) -> bool:
     rope_type = getattr(rotary, "rope_type", "default")
     return (
         type(model).__name__ in ARCHITECTURES
+        and type(model).__module__.startswith("transformers.models.")  # not remote code of the same name
         and next(model.parameters()).device.type == "cpu"
         and getattr(config, "_attn_implementation", None) == "sdpa"
         and all(kind == "full_attention" for kind in layer_types)
