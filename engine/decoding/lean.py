@@ -7,7 +7,7 @@ module, decorator and keyword plumbing around them. `LeanDecoder` runs the same 
 arithmetic, in the order transformers runs it, so its logits are bit-identical to `LlamaForCausalLM`'s with SDPA
 attention (tests/test_lean.py), in ~1,400 operations and plain Python, over a `LeanCache` of preallocated
 tensors written in place. On the AMX Xeon, float32, alternating with the model's own forward (30 pairs after a
-64-token prefix): one-token passes 14-18% cheaper, five-row verify passes 8-12% cheaper.
+64-token prefix): one-token passes 12-18% cheaper, five-row verify passes 8-12% cheaper.
 
 The linear layers are called as modules, whatever form they are in (engine.models.cpu), and the activation
 is the model's own. Rotary: transformers computes q * cos + rotate_half(q) * sin, with rotate_half(q) =
