@@ -106,7 +106,9 @@ def new_cache(model, max_len: int | None = None, role: str = "run", static: bool
 
     if getattr(model, "compiled_step", None) is None and not static:
         if getattr(model, "lean", None) is not None:  # engine.decoding.lean
-            return LeanCache(model, (max_len or 224) + BUCKETS[-1])
+            # room for the run, up to 1024 tokens at first: it grows as it fills, so a run that stops early
+            # never holds memory for the max_new_tokens it did not make
+            return LeanCache(model, min((max_len or 224) + BUCKETS[-1], 1024))
         return DynamicCache(config=model.config)
     if max_len is None:
         raise ValueError("a static cache needs its length up front")
