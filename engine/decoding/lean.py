@@ -25,6 +25,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import repeat_kv
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
@@ -49,7 +50,7 @@ def supported(model) -> bool:
         and "dynamic" not in rope_type
         and "longrope" not in rope_type
         and getattr(config, "pretraining_tp", 1) == 1
-        and _head_dim(config) <= 256  # where transformers' SDPA path groups query heads as ours does
+        and model.model.layers[0].self_attn.head_dim <= 256  # where transformers' SDPA groups heads as we do
     )
 
 
@@ -70,7 +71,7 @@ class LeanCache:
     def __init__(self, model, capacity: int):
         config = model.config
         self.layers = config.num_hidden_layers
-        self.shape = (1, config.num_key_value_heads, 0, _head_dim(config))
+        self.kv_heads, self.head_dim = config.num_key_value_heads, model.model.layers[0].self_attn.head_dim
         self.dtype = next(model.parameters()).dtype
         self.length = 0
         self.keys: list[torch.Tensor] = []
@@ -78,7 +79,7 @@ class LeanCache:
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
-        shape = (*self.shape[:2], capacity, self.shape[3])
+        shape = (1, self.kv_heads, capacity, self.head_dim)
         with torch.inference_mode():
             keys = [torch.empty(shape, dtype=self.dtype) for _ in range(self.layers)]
             values = [torch.empty(shape, dtype=self.dtype) for _ in range(self.layers)]
@@ -101,10 +102,6 @@ class LeanCache:
         self.length = 0
 
 
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm: in float32, scaled in the input's dtype."""
     if x.dtype == torch.float32:
@@ -120,13 +117,14 @@ class LeanDecoder(torch.nn.Module):
         super().__init__()
         config = model.config
         self.model = [model]  # a list: no submodule registration (see attach)
-        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = _head_dim(config)
+        attn = model.model.layers[0].self_attn
+        self.groups = config.num_attention_heads // config.num_key_value_heads  # query heads per key/value head
+        self.head_dim, self.half = attn.head_dim, attn.head_dim // 2
+        self.scaling = attn.scaling
         self.eps = config.rms_norm_eps
         rotary = model.model.rotary_emb
         self.inv_freq = rotary.inv_freq.to(torch.float32)
         self.rotary_scale = rotary.attention_scaling
-        self.scaling = model.model.layers[0].self_attn.scaling
 
     def forward(self, input_ids: torch.Tensor, cache: LeanCache, keep: int = 0) -> torch.Tensor:
         model = self.model[0]
@@ -146,9 +144,8 @@ class LeanDecoder(torch.nn.Module):
             q = attn.q_proj(h).view(1, rows, -1, self.head_dim).transpose(1, 2)  # (1, H, rows, D)
             k = attn.k_proj(h).view(1, rows, -1, self.head_dim).transpose(1, 2)  # (1, KV, rows, D)
             v = attn.v_proj(h).view(1, rows, -1, self.head_dim).transpose(1, 2)
-            half = self.head_dim // 2
-            q = q * cos + q.roll(half, -1) * sin
-            k = k * cos + k.roll(half, -1) * sin
+            q = q * cos + q.roll(self.half, -1) * sin
+            k = k * cos + k.roll(self.half, -1) * sin
             keys, values = cache.keys[i], cache.values[i]
             keys[:, :, past:total] = k
             values[:, :, past:total] = v
@@ -171,10 +168,6 @@ class LeanDecoder(torch.nn.Module):
     def _attend(self, q, keys, values, mask, rows: int) -> torch.Tensor:
         if mask is None:
             return F.scaled_dot_product_attention(q, keys, values, is_causal=rows > 1, scale=self.scaling,
-                                                  enable_gqa=self.heads != self.kv_heads)  # fmt: skip
-        if self.heads != self.kv_heads:
-            n, total = self.heads // self.kv_heads, keys.shape[2]
-            shape = (1, self.kv_heads, n, total, self.head_dim)
-            keys = keys[:, :, None].expand(shape).reshape(1, self.heads, total, self.head_dim)
-            values = values[:, :, None].expand(shape).reshape(1, self.heads, total, self.head_dim)
+                                                  enable_gqa=self.groups > 1)  # fmt: skip
+        keys, values = repeat_kv(keys, self.groups), repeat_kv(values, self.groups)  # as transformers does here
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)

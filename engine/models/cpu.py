@@ -290,7 +290,8 @@ def _measure(model, layers: list[CpuLinear], forms: tuple[str, ...]):
         for layer in layers:
             layer.use(table)
         with torch.inference_mode():
-            again = time_passes(model, tuple(sorted(set(pad[1:]) | {n for n, m in enumerate(pad) if m != n})), 5)
+            involved = {size for n, m in enumerate(pad) if m != n for size in (n, m)}
+            again = time_passes(model, tuple(sorted(involved)), 5)
         pad = _confirmed(pad, again)
     return table, pad, {f"{form}_s": times[form] for form in forms}
 

@@ -397,7 +397,7 @@ def _load(
     params = sum(p.numel() for p in model.parameters())
     vocab = int(model.get_output_embeddings().weight.shape[0])
     # the lean pass first, so that the layouts below are timed in the passes that will run them
-    lean = device.type == "cpu" and pack and not compile and attach_lean(model)
+    lean = pack and not compile and attach_lean(model)  # on CPU only: attach_lean checks
     forms = STOCK
     if device.type == "cpu" and pack:
         forms = choose_forms(model, f"{shape_key(model)}|{dtype}", cache_dir() / "cpu-forms.json",
