@@ -42,6 +42,7 @@ class Drafter(ABC):
     min_tokens = 0  # a shorter draft is dropped rather than verified (llama.cpp's --spec-draft-n-min)
     width = 0  # strict mode: the draft model's passes at the run's width too (engine.decoding.runtime.forward)
     max_len: int | None = None  # tokens a draft model's cache must hold (a static cache needs it up front)
+    layers: tuple[int, ...] = ()  # target hidden states a draft head reads (engine.decoding.heads); () = none
 
     def __init__(self, gamma: int = 4, adaptive: bool = False):
         self.start, self.adaptive = gamma, adaptive

@@ -126,8 +126,11 @@ class LeanDecoder(torch.nn.Module):
         self.inv_freq = rotary.inv_freq.to(torch.float32)
         self.rotary_scale = rotary.attention_scaling
 
-    def forward(self, input_ids: torch.Tensor, cache: LeanCache, keep: int = 0) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: LeanCache, keep: int = 0, layers: tuple[int, ...] = ()):
+        """Logits; with `layers` (indices into transformers' hidden_states), also those states of every row,
+        concatenated in that order: (logits, (rows, len(layers) x hidden))."""
         model = self.model[0]
+        taken: dict[int, torch.Tensor] = {}
         rows, past = input_ids.shape[1], cache.length
         total = past + rows
         cache.make_room(total)
@@ -139,6 +142,8 @@ class LeanDecoder(torch.nn.Module):
         if rows > 1 and past:
             mask = (torch.arange(total) <= torch.arange(past, total)[:, None])[None, None]  # (1, 1, rows, total)
         for i, layer in enumerate(model.model.layers):
+            if i in layers:
+                taken[i] = x[0]  # the residual stream entering layer i (x is rebound, never written in place)
             attn, mlp = layer.self_attn, layer.mlp
             h = _rms(x, layer.input_layernorm.weight, self.eps)
             q = attn.q_proj(h).view(1, rows, -1, self.head_dim).transpose(1, 2)  # (1, H, rows, D)
@@ -154,8 +159,12 @@ class LeanDecoder(torch.nn.Module):
             h = _rms(x, layer.post_attention_layernorm.weight, self.eps)
             x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
         cache.length = total
+        last = len(model.model.layers)
+        if last in layers:  # transformers' last hidden state is after the final norm
+            taken[last] = _rms(x, model.model.norm.weight, self.eps)[0]
         x = x[:, -keep:] if keep else x
-        return model.lm_head(_rms(x, model.model.norm.weight, self.eps))[0]
+        logits = model.lm_head(_rms(x, model.model.norm.weight, self.eps))[0]
+        return (logits, torch.cat([taken[i] for i in layers], -1)) if layers else logits
 
     def _rotary(self, past: int, total: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and the signed sin of positions past..total-1, as LlamaRotaryEmbedding computes them."""

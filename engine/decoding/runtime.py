@@ -44,7 +44,8 @@ class CompiledStep:
         self.first: dict[tuple, float] = {}  # (rows, cache capacity) -> seconds of its first (compiling) pass
 
     def __call__(self, **kwargs):
-        key = (kwargs["input_ids"].shape[1], getattr(kwargs.get("cache"), "max_cache_len", None))
+        key = (kwargs["input_ids"].shape[1], getattr(kwargs.get("cache"), "max_cache_len", None),
+               "output_hidden_states" in kwargs)
         if key in self.first:
             return self.fn(**kwargs)
         start = self.clock.now()
@@ -125,8 +126,11 @@ def new_cache(model, max_len: int | None = None, role: str = "run", static: bool
     return cache
 
 
-def forward(model, token_ids: list[int], cache, keep: int = 0, width: int = 0) -> torch.Tensor:
+def forward(model, token_ids: list[int], cache, keep: int = 0, width: int = 0, layers: tuple[int, ...] = ()):
     """Feed token_ids after what `cache` holds; return logits (n, V), or the last `keep` rows (keep, V).
+
+    `layers` (a draft head's, engine.decoding.heads): also return the hidden states of those layers (indices into
+    transformers' hidden_states) for every one of the n tokens, concatenated: (logits, (n, len(layers) x hidden)).
 
     `width` > 0 (strict mode) runs a pass of up to `width` tokens padded to exactly `width` rows, all of whose
     logits are computed: every such pass then runs the same kernels, so a token's logits do not depend on
@@ -135,7 +139,7 @@ def forward(model, token_ids: list[int], cache, keep: int = 0, width: int = 0) -
     causal attention keeps it out of their results; its keys and values are cropped off again."""
     n = len(token_ids)
     if type(cache) is LeanCache:  # a lean pass (engine.decoding.lean): never padded, never compiled
-        return model.lean(torch.tensor([token_ids], dtype=torch.long), cache, keep)
+        return model.lean(torch.tensor([token_ids], dtype=torch.long), cache, keep, layers)
     step = getattr(model, "compiled_step", None)
     # a cache's first pass runs eagerly: it allocates the cache there, where it can be marked as static for
     # CUDA graphs (inside a compiled pass the tensors would become graph outputs, overwritten by the next replay)
@@ -145,16 +149,23 @@ def forward(model, token_ids: list[int], cache, keep: int = 0, width: int = 0) -
     else:
         size = width if n <= width else n
     ids = torch.tensor([token_ids + token_ids[-1:] * (size - n)], dtype=torch.long, device=model.device)  # (1, size)
+    extra = {"output_hidden_states": True} if layers else {}
     if compiled:
-        logits = step(input_ids=ids, cache=cache, use_cache=True).logits[0, :n]  # causal: padding changes nothing
-    elif size == n:
+        out = step(input_ids=ids, cache=cache, use_cache=True, **extra)  # causal: padding changes nothing
+    elif size == n and not layers:
         return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=keep).logits[0]
     else:
-        logits = model(input_ids=ids, cache=cache, use_cache=True).logits[0, :n]
+        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=keep if size == n else 0, **extra)
+    logits = out.logits[0, :n] if out.logits.shape[1] == size else out.logits[0]
     if size > n:
         cache.crop(n - size)  # drop the padding's keys and values
-    logits = logits[n - keep :] if keep else logits
-    return logits.clone() if compiled else logits  # a CUDA graph reuses its output buffer
+    logits = logits[n - keep :] if keep and logits.shape[0] > keep else logits
+    if compiled:
+        logits = logits.clone()  # a CUDA graph reuses its output buffer
+    if not layers:
+        return logits
+    features = torch.cat([out.hidden_states[i][0, :n] for i in layers], -1)  # (n, len(layers) x hidden)
+    return logits, features.clone() if compiled else features
 
 
 def fitting(model, context: int, more: int) -> int:
@@ -237,14 +248,22 @@ def measure_verify_costs(model, max_draft: int, repeats: int = 2, context: int =
     return costs
 
 
-def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
-    """Prompt -> token ids; with chat, wrapped in the model's chat template as one user turn."""
+def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool) -> list[int]:
+    """Prompt -> token ids; with chat, wrapped in the model's chat template as one user turn. A conversation
+    (chat messages: a later turn of a multi-turn question, after the model's own answers) goes through the
+    template whole, or without one as a plain transcript."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-        )
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(prompt)["input_ids"]
+    return tokenizer(prompt if isinstance(prompt, str) else transcript(messages))["input_ids"]
+
+
+def transcript(messages: list[dict]) -> str:
+    """A conversation as plain text for a model without a chat template: role-labelled turns, ending where the
+    assistant speaks next."""
+    lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+    return "\n\n".join(lines + ["Assistant:"])
 
 
 def eos_ids(model, tokenizer) -> set[int]:
@@ -317,13 +336,18 @@ def capacity(prompt_len: int, max_new_tokens: int) -> int:
     return prompt_len + max_new_tokens + MAX_GAMMA
 
 
-def prefill(model, prompt_ids, cfg, generator, stream, eos, max_new_tokens, clock, static: bool = False
-            ) -> tuple[StepEvent, object]:  # fmt: skip
+def prefill(model, prompt_ids, cfg, generator, stream, eos, max_new_tokens, clock, static: bool = False,
+            head=None) -> tuple[StepEvent, object]:  # fmt: skip
     """Encode the prompt into a fresh cache (of the run's `capacity`) and choose the first token (both loops
-    start this way)."""
+    start this way). A draft `head` (engine.decoding.heads) is handed the prompt's features."""
     start = clock.now()
     cache = new_cache(model, capacity(len(prompt_ids), max_new_tokens), static=static)
-    logits = forward(model, prompt_ids, cache, keep=1)[-1]  # (V,)
+    if head is not None:
+        logits, features = forward(model, prompt_ids, cache, keep=1, layers=head.layers)
+        head.see(features)
+        logits = logits[-1]  # (V,)
+    else:
+        logits = forward(model, prompt_ids, cache, keep=1)[-1]  # (V,)
     token, p = choose(logits, cfg, generator)
     top = top_two(logits[None]) if cfg.greedy else []
     forwarded = clock.now()

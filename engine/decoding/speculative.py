@@ -50,7 +50,8 @@ def speculative_decode(
     stream = TextStream(tokenizer)
     drafter.fit(capacity(len(prompt_ids), max_new_tokens), width)  # a draft cache as large as the target's
     drafter.reset()
-    event, cache = prefill(target, prompt_ids, cfg, generator, stream, eos, max_new_tokens, clock, width > 0)
+    head = drafter if drafter.layers else None  # a draft head reads the target's features (engine.decoding.heads)
+    event, cache = prefill(target, prompt_ids, cfg, generator, stream, eos, max_new_tokens, clock, width > 0, head)
     elapsed = event.elapsed_s
     yield event
     ids = prompt_ids + event.tokens
@@ -71,7 +72,8 @@ def speculative_decode(
         t1 = clock.now()
 
         # 2. verify: the last emitted token plus the draft, one target pass
-        logits = forward(target, [ids[-1]] + draft.tokens, cache, width=width)  # (gamma+1, V)
+        scored = forward(target, [ids[-1]] + draft.tokens, cache, width=width, layers=drafter.layers)
+        logits, features = scored if head is not None else (scored, None)  # (gamma+1, V), (gamma+1, F)
         t2 = clock.now()
 
         # 3. accept a prefix of the draft, then the target's own token
@@ -85,6 +87,8 @@ def speculative_decode(
         # 4. roll back: the cache now holds [last, x_1..x_k]; keep [last, x_1..x_n]
         if k > n:
             cache.crop(n - k)
+        if head is not None:
+            head.see(features[: n + 1])  # the kept rows' features: [last, x_1..x_n]
         drafter.observe(k, n)
         t3 = clock.now()
 

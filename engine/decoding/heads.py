@@ -1,0 +1,367 @@
+"""Draft heads: small drafters that read the target's own hidden states (EAGLE-3, Li et al. 2025; DFlash, z-lab 2026).
+
+A head is a Drafter like the others. It names the target layers it reads (`layers`, as indices into transformers'
+`hidden_states`: 0 is the embedding output, i the residual stream entering decoder layer i); the loop asks the
+target's passes for those rows' features and hands the head the rows the target kept (`see`). The head keeps them
+until its next proposal, so its picture of the text is always the target's own, never one of its guesses.
+
+EAGLE-3 (chain drafting). Row t of the head pairs the embedding of token t+1 with the target's fused feature at
+position t, g_t = fc(concat of three layers' states), and predicts token t+2. One decoder layer whose attention takes
+both halves (2H wide); its output h, before the final norm, stands in for g at the next position, so drafting k tokens
+costs one pass over the rows the target just kept plus k-1 one-row passes. The head has its own KV cache: rows built
+from real features stay, rows built from its own guesses are cropped before the next proposal. Its vocabulary may be a
+subset of the target's (`d2t`: draft id -> target id); q is zero outside it. Greedy runs draft the head's argmax (as
+vLLM does); sampled runs draw each draft token from the head's q, with the run's temperature, top-k and top-p, so the
+rejection rule of engine.decoding.sampling keeps the output exactly the target's distribution.
+
+DFlash (block drafting). The target's features of the kept rows become context keys and values in every draft layer
+(hidden_norm(fc(concat)), never normed again); one non-causal pass over a block [last token, mask x (B-1)] proposes
+B-1 tokens at once, through the target's own embedding and LM head. The head's cache keeps only context rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.decoding.drafters import Draft, Drafter
+from engine.decoding.sampling import SamplingConfig, logits_to_probs, sample
+
+
+@dataclass
+class HeadConfig:
+    """What a head is, whatever layout it was published in (engine.models.heads reads the layouts)."""
+
+    kind: str  # "eagle3" | "dflash"
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    vocab_size: int  # the target's vocabulary
+    layers: tuple[int, ...]  # target features read, as indices into transformers' hidden_states
+    draft_vocab_size: int = 0  # 0: the target's vocabulary
+    target_hidden_size: int = 0  # 0: hidden_size
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    rope: dict = field(default_factory=dict)  # the layer config's rope fields (rope_theta / rope_parameters, ...)
+    max_position_embeddings: int = 2048
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated features (speculators `input_norm`)
+    fc_norm: bool = False  # one RMSNorm per feature before fc (speculators `fc_norm.i`)
+    norm_output: bool = False  # EAGLE-3.1: the post-norm state is fed back
+    qk_norm: bool = False  # per-head RMSNorm on queries and keys (Qwen3-style DFlash layers)
+    block_size: int = 0  # DFlash: tokens per block, the first being the last verified token
+    mask_token_id: int = 0  # DFlash: the token that fills the block after it
+    verifier: str = ""  # the target the head was trained for, where its config says
+    layout: str = ""  # the layout it was read from: eagle3-original | speculators-eagle3 | dflash | speculators-dflash
+
+    @property
+    def feature_size(self) -> int:
+        return len(self.layers) * (self.target_hidden_size or self.hidden_size)
+
+    def rotary(self) -> tuple[torch.Tensor, float]:
+        """inv_freq and attention scaling, computed by transformers from the head's own rope fields."""
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        config = LlamaConfig(hidden_size=self.hidden_size, num_attention_heads=self.num_heads,
+                             head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings,
+                             **self.rope)  # fmt: skip
+        rotary = LlamaRotaryEmbedding(config)
+        return rotary.inv_freq.float(), float(rotary.attention_scaling)
+
+
+class RMSNorm(nn.Module):
+    """LlamaRMSNorm's arithmetic: normalised in float32, scaled in the input's dtype."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class HeadCache:
+    """Keys and values of every head layer, (1, kv heads, capacity, head dim), written in place; grows by doubling.
+    Cropping only moves the length."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device, capacity: int = 256):
+        self.shape, self.dtype, self.device = (1, kv_heads, 0, head_dim), dtype, device
+        shape = (1, kv_heads, 0, head_dim)
+        self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.length, self.capacity = 0, 0
+        self.make_room(capacity)
+
+    def make_room(self, length: int) -> None:
+        if length <= self.capacity:
+            return
+        capacity = max(length, 2 * self.capacity)
+        shape = self.shape[:2] + (capacity,) + self.shape[3:]
+        for tensors in (self.keys, self.values):
+            for i, old in enumerate(tensors):
+                new = torch.empty(shape, dtype=self.dtype, device=self.device)
+                new[:, :, : self.length] = old[:, :, : self.length]
+                tensors[i] = new
+        self.capacity = capacity
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin for x of (1, heads, rows, D)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class HeadLayer(nn.Module):
+    """One Llama-style decoder layer of a head. `wide` (EAGLE-3's first layer): q/k/v read the token embedding and
+    the feature side by side (2H), each normed on its own. `qk_norm`: Qwen3's per-head norms (DFlash)."""
+
+    def __init__(self, c: HeadConfig, wide: bool):
+        super().__init__()
+        h, width = c.hidden_size, 2 * c.hidden_size if wide else c.hidden_size
+        self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.input_layernorm = RMSNorm(h, c.rms_norm_eps)
+        if wide:
+            self.hidden_norm = RMSNorm(h, c.rms_norm_eps)
+        self.self_attn = nn.Module()
+        attn = self.self_attn
+        attn.q_proj = nn.Linear(width, c.num_heads * c.head_dim, bias=c.attention_bias)
+        attn.k_proj = nn.Linear(width, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        attn.v_proj = nn.Linear(width, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        attn.o_proj = nn.Linear(c.num_heads * c.head_dim, h, bias=c.attention_bias)
+        if c.qk_norm:
+            attn.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            attn.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, c.rms_norm_eps)
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = nn.Linear(h, c.intermediate_size, bias=c.mlp_bias)
+        self.mlp.up_proj = nn.Linear(h, c.intermediate_size, bias=c.mlp_bias)
+        self.mlp.down_proj = nn.Linear(c.intermediate_size, h, bias=c.mlp_bias)
+        from transformers.activations import ACT2FN
+
+        self.act = ACT2FN[c.hidden_act]
+
+    def split(self, x: torch.Tensor, proj: nn.Linear, heads: int, norm: str | None = None) -> torch.Tensor:
+        """(1, rows, width) -> (1, heads, rows, D), through `proj` and the per-head norm named `norm`, if any."""
+        y = proj(x).view(1, x.shape[1], heads, self.head_dim)
+        if norm is not None and hasattr(self.self_attn, norm):
+            y = getattr(self.self_attn, norm)(y)
+        return y.transpose(1, 2)
+
+    def finish(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """o_proj, the residual, and the MLP block: (1, H, rows, D) -> (1, rows, hidden)."""
+        rows = attended.shape[2]
+        h = residual + self.self_attn.o_proj(attended.transpose(1, 2).reshape(1, rows, -1))
+        m, normed = self.mlp, self.post_attention_layernorm(h)
+        return h + m.down_proj(self.act(m.gate_proj(normed)) * m.up_proj(normed))
+
+
+def attend(q, keys, values, past: int, causal: bool) -> torch.Tensor:
+    """SDPA of q's rows, which sit at cache positions past.., over keys/values (1, KV, total, D)."""
+    rows, total = q.shape[2], keys.shape[2]
+    mask = None
+    if causal and rows > 1:
+        mask = (torch.arange(total, device=q.device) <= torch.arange(past, past + rows, device=q.device)[:, None])
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=q.shape[1] != keys.shape[1])
+
+
+class Head(nn.Module):
+    """The weights of a head, EAGLE-3 or DFlash, and its forward passes. `embed` (and for DFlash `lm_head`) are the
+    target's, unless the head ships its own."""
+
+    def __init__(self, c: HeadConfig):
+        super().__init__()
+        self.config = c
+        self.fc = nn.Linear(c.feature_size, c.hidden_size, bias=False)
+        if c.norm_before_fc:
+            self.input_norm = RMSNorm(c.feature_size, c.rms_norm_eps)
+        if c.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(c.target_hidden_size or c.hidden_size, c.rms_norm_eps)
+                                         for _ in c.layers)  # fmt: skip
+        if c.kind == "dflash":
+            self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(HeadLayer(c, wide=c.kind == "eagle3" and i == 0) for i in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.embed_tokens: nn.Embedding | None = None  # set by attach: the head's own, or the target's
+        self.lm_head: nn.Linear | None = None
+        self.register_buffer("d2t", None)  # (draft vocab,) target id of each draft id; None = the same ids
+        self.register_buffer("inv_freq", None, persistent=False)
+        self.reset_rotary()
+
+    def reset_rotary(self) -> None:
+        """The rotary frequencies, on the device of the head's weights (also after a meta-device build)."""
+        device = self.fc.weight.device
+        with torch.device("cpu"):
+            inv_freq, self.rotary_scale = self.config.rotary()
+        self.inv_freq = inv_freq if device.type == "meta" else inv_freq.to(device)
+
+    def rotary(self, start: int, rows: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(start, start + rows, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = positions[:, None] * self.inv_freq  # (rows, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos() * self.rotary_scale, emb.sin() * self.rotary_scale
+        return cos.to(dtype)[None, None], sin.to(dtype)[None, None]  # (1, 1, rows, D)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """(rows, n x target hidden) -> (rows, hidden): the target's layers fused into one feature."""
+        if self.config.fc_norm:
+            features = torch.cat([n(f) for n, f in zip(self.fc_norm, features.chunk(len(self.fc_norm), -1))], -1)
+        if self.config.norm_before_fc:
+            features = self.input_norm(features)
+        fused = self.fc(features)
+        return self.hidden_norm(fused) if self.config.kind == "dflash" else fused
+
+    def to_target(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Draft-vocabulary logits (rows, Vd) -> the target's vocabulary (rows, V), -inf where the head cannot go."""
+        if self.d2t is None:
+            return logits if logits.shape[-1] == vocab_size else F.pad(logits, (0, vocab_size - logits.shape[-1]),
+                                                                         value=float("-inf"))  # fmt: skip
+        full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
+        return full.index_copy_(1, self.d2t, logits)
+
+    def eagle3(self, tokens: torch.Tensor, x: torch.Tensor, cache: HeadCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """EAGLE-3 rows after what `cache` holds: tokens (rows,), x (rows, hidden) = fused target features or the
+        head's own earlier output. Returns (the state to feed back (rows, hidden), draft-vocab logits (rows, Vd))."""
+        c, rows, past = self.config, tokens.shape[0], cache.length
+        cache.make_room(past + rows)
+        cos, sin = self.rotary(past, rows, x.dtype)
+        e = self.embed_tokens(tokens)[None]  # (1, rows, H)
+        h = x[None]
+        for i, layer in enumerate(self.layers):
+            if i == 0:
+                normed = layer.hidden_norm(h)
+                residual = normed if c.norm_before_residual else h
+                inp = torch.cat((layer.input_layernorm(e), normed), dim=-1)  # (1, rows, 2H)
+            else:
+                residual, inp = h, layer.input_layernorm(h)
+            q = rope(layer.split(inp, layer.self_attn.q_proj, c.num_heads, "q_norm"), cos, sin)
+            k = rope(layer.split(inp, layer.self_attn.k_proj, c.num_kv_heads, "k_norm"), cos, sin)
+            v = layer.split(inp, layer.self_attn.v_proj, c.num_kv_heads)
+            cache.keys[i][:, :, past : past + rows] = k
+            cache.values[i][:, :, past : past + rows] = v
+            a = attend(q, cache.keys[i][:, :, : past + rows], cache.values[i][:, :, : past + rows], past, True)
+            h = layer.finish(residual, a)
+        cache.length = past + rows
+        out = self.norm(h[0])
+        return (out if c.norm_output else h[0]), self.lm_head(out)
+
+    def dflash(self, context: torch.Tensor, block: torch.Tensor, cache: HeadCache) -> torch.Tensor:
+        """One DFlash block: context (rows, features) of the positions after what `cache` holds, then the block's
+        tokens (B,) at the positions after them. Returns the block's final states (B, hidden); the cache keeps the
+        context rows only."""
+        c, past, rows, size = self.config, cache.length, context.shape[0], block.shape[0]
+        cache.make_room(past + rows + size)
+        ctx = self.fuse(context)[None]  # (1, rows, H): keys and values come straight from it in every layer
+        cos, sin = self.rotary(past, rows + size, ctx.dtype)
+        h = self.embed_tokens(block)[None]  # (1, B, H)
+        total = past + rows + size
+        for i, layer in enumerate(self.layers):
+            inp = layer.input_layernorm(h)
+            both = torch.cat((ctx, inp), dim=1)  # (1, rows + B, H)
+            q = layer.split(inp, layer.self_attn.q_proj, c.num_heads, "q_norm")
+            q = rope(q, cos[:, :, rows:], sin[:, :, rows:])  # the block's positions
+            k = rope(layer.split(both, layer.self_attn.k_proj, c.num_kv_heads, "k_norm"), cos, sin)
+            cache.keys[i][:, :, past:total] = k
+            cache.values[i][:, :, past:total] = layer.split(both, layer.self_attn.v_proj, c.num_kv_heads)
+            a = attend(q, cache.keys[i][:, :, :total], cache.values[i][:, :, :total], past + rows, causal=False)
+            h = layer.finish(h, a)
+        cache.length = past + rows  # the block's own keys are dropped: the next block comes with new context
+        return self.norm(h[0])
+
+
+class HeadDrafter(Drafter):
+    """What EAGLE-3 and DFlash drafters share: the target features they were handed and have not used yet."""
+
+    def __init__(self, head: Head, vocab_size: int, gamma: int = 4, adaptive: bool = False):
+        self.head, self.vocab_size = head, vocab_size
+        self.layers = head.config.layers
+        super().__init__(gamma, adaptive)
+
+    def reset(self) -> None:
+        super().reset()
+        p = next(self.head.parameters())
+        c = self.head.config
+        self.cache = HeadCache(c.num_layers, c.num_kv_heads, c.head_dim, p.dtype, p.device, (self.max_len or 224) + 32)
+        self.pending: list[torch.Tensor] = []  # target features (rows, F) handed over and not fed yet
+        self.fed = 0  # positions whose target features the head's cache holds
+
+    def see(self, features: torch.Tensor) -> None:
+        """Features of the rows the target just kept, in order (the prompt's at prefill, then each step's)."""
+        self.pending.append(features.to(self.head.fc.weight.dtype))
+
+    def _take(self, ids: list[int]) -> torch.Tensor:
+        features = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
+        self.pending = []
+        if self.fed + features.shape[0] != len(ids) - 1:
+            raise RuntimeError(f"head out of step: {self.fed} + {features.shape[0]} rows for {len(ids) - 1} positions")
+        return features
+
+    def _choose(self, logits: torch.Tensor, cfg: SamplingConfig, generator) -> tuple[int, torch.Tensor | None]:
+        """A draft token from target-vocabulary logits (V,): the argmax when greedy, else a draw from q."""
+        if cfg.greedy:
+            return int(logits.argmax()), None
+        probs = logits_to_probs(logits, cfg)
+        return int(sample(probs, generator)), probs
+
+
+class Eagle3(HeadDrafter):
+    """EAGLE-3 chain drafting: one pass over the kept rows, then one row per further draft token."""
+
+    name = "eagle3"
+
+    def propose(self, ids, limit, cfg, generator) -> Draft:
+        gamma = min(self.gamma, limit)
+        if gamma <= 0:
+            return Draft([])
+        head, device = self.head, self.head.fc.weight.device
+        self.cache.crop(self.fed)  # rows built from its own guesses go
+        features = self._take(ids)
+        rows = features.shape[0]
+        tokens_in = torch.tensor(ids[self.fed + 1 : self.fed + 1 + rows], device=device)
+        state, logits = head.eagle3(tokens_in, head.fuse(features), self.cache)  # (rows, H), (rows, Vd)
+        self.fed += rows
+        tokens, probs = [], []
+        for k in range(gamma):
+            token, q = self._choose(head.to_target(logits[-1:], self.vocab_size)[0], cfg, generator)
+            tokens.append(token)
+            probs.append(q)
+            if k + 1 < gamma:
+                state, logits = head.eagle3(torch.tensor([token], device=device), state[-1:], self.cache)
+        return Draft(tokens, None if cfg.greedy else torch.stack(probs), passes=gamma)
+
+
+class DFlash(HeadDrafter):
+    """DFlash block drafting: one non-causal pass proposes up to block size - 1 tokens."""
+
+    name = "dflash"
+
+    def propose(self, ids, limit, cfg, generator) -> Draft:
+        c = self.head.config
+        gamma = min(self.gamma, limit, c.block_size - 1)
+        if gamma <= 0:
+            return Draft([])
+        device = self.head.fc.weight.device
+        features = self._take(ids)
+        block = torch.tensor([ids[-1]] + [c.mask_token_id] * (c.block_size - 1), device=device)
+        states = self.head.dflash(features, block, self.cache)  # (B, H)
+        self.fed += features.shape[0]
+        logits = self.head.to_target(self.head.lm_head(states[1 : 1 + gamma]), self.vocab_size)  # (gamma, V)
+        tokens, probs = [], []
+        for row in logits:
+            token, q = self._choose(row, cfg, generator)
+            tokens.append(token)
+            probs.append(q)
+        return Draft(tokens, None if cfg.greedy else torch.stack(probs), passes=1)

@@ -1,0 +1,347 @@
+"""Draft heads as they are published: reading the four layouts, checking a head against a target, writing one.
+
+    eagle3-original     SafeAILab's EAGLE-3: a LlamaConfig with `draft_vocab_size`, weights `midlayer.*`, `fc`, `norm`,
+                        `lm_head`, `d2t`/`t2d`; the embedding is the target's. Features [2, L//2, L-3].
+    speculators-eagle3  vLLM's speculators: `speculators_model_type: eagle3`, a `transformer_layer_config`, the norm
+                        flags, `eagle_aux_hidden_state_layer_ids`; weights `layers.i.*`, `embed_tokens` included.
+    dflash              z-lab's DFlash: a Qwen3Config with `block_size` and `dflash_config {mask_token_id,
+                        target_layer_ids}`; no embedding, no LM head (the target's).
+    speculators-dflash  speculators' dflash: `speculators_model_type: dflash`, `aux_hidden_state_layer_ids`.
+
+Layer indices. Every head here names target features as indices into transformers' `hidden_states` (0: the
+embedding output; i: the residual stream entering decoder layer i), which is what vLLM, llama.cpp, SGLang,
+speculators and SafeAILab mean by "layer i" for EAGLE-3 and what speculators' dflash means too. z-lab's DFlash
+`target_layer_ids` name the layer whose OUTPUT is read, so they are one lower: we add 1 when reading and take it off
+when writing (as vLLM and speculators' converter do).
+
+Safety as for models (engine.models.loading): safetensors only unless SPECARENA_ALLOW_PICKLE=1; heads never run
+remote code: the math is ours (engine.decoding.heads), the folder only gives weights and a config.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from engine.decoding.heads import DFlash, Eagle3, Head, HeadConfig
+from engine.errors import UserError
+from engine.models.loading import allow_pickle, hub_folder, resolve
+
+LAYOUTS = ("speculators-eagle3", "eagle3-original", "dflash", "speculators-dflash")
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose layout we write
+
+
+def eagle3_layers(target_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default features: low, middle and high (SafeAILab, vLLM, llama.cpp, speculators agree)."""
+    return (2, target_layers // 2, target_layers - 3)
+
+
+def dflash_layers(target_layers: int, draft_layers: int) -> tuple[int, ...]:
+    """z-lab's default DFlash features, spread from layer 1 to L-3, in hidden_states indices (z-lab's ids + 1)."""
+    if draft_layers == 1:
+        return (target_layers // 2 + 1,)
+    span = target_layers - 4
+    return tuple(int(round(1 + i * span / (draft_layers - 1))) + 1 for i in range(draft_layers))
+
+
+def head_folder(spec: str, progress=lambda message: None) -> Path:
+    """A head's folder: a local one, or a Hub id downloaded as models are (engine.models.loading)."""
+    source = resolve(spec, progress)
+    if source.shape:
+        raise UserError(f"{spec!r} names a random model, not a draft head: name a head's folder or Hub id.",
+                        field="draft")  # fmt: skip
+    folder = Path(hub_folder(source, progress) if source.repo_id else source.location)
+    return folder
+
+
+def read_config(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"head folder {str(folder)!r} has no readable config.json ({exc}).", field="draft") from None
+
+
+def layout_of(raw: dict) -> str:
+    """Which published layout a head's config.json is in; a clear error when none."""
+    kind = raw.get("speculators_model_type")
+    if kind in ("eagle3", "dflash"):
+        return f"speculators-{kind}"
+    if kind:
+        raise UserError(f"speculators head type {kind!r} is not one SpecArena runs: eagle3 and dflash are.",
+                        field="draft")  # fmt: skip
+    if "dflash_config" in raw or "DFlashDraftModel" in raw.get("architectures", []):
+        return "dflash"
+    if "draft_vocab_size" in raw or any("Eagle3" in a for a in raw.get("architectures", [])):
+        return "eagle3-original"
+    raise UserError(
+        "this folder is not a draft head: its config.json has neither `speculators_model_type` (vLLM speculators), "
+        "`draft_vocab_size` (SafeAILab EAGLE-3) nor `dflash_config` (z-lab DFlash). For a draft model, pick the "
+        "draft-model drafter.", field="draft",
+    )  # fmt: skip
+
+
+def _rope_fields(layer: dict) -> dict:
+    return {k: layer[k] for k in ("rope_theta", "rope_scaling", "rope_parameters") if layer.get(k) is not None}
+
+
+def head_config(raw: dict, target_config) -> HeadConfig:
+    """A head's config.json read against its target's config (the default features depend on its layer count)."""
+    layout = layout_of(raw)
+    layer = raw.get("transformer_layer_config", raw) if layout.startswith("speculators") else raw
+    text = target_config.get_text_config()
+    target_layers = text.num_hidden_layers
+    hidden, heads = layer["hidden_size"], layer["num_attention_heads"]
+    kind = "dflash" if "dflash" in layout else "eagle3"
+    dflash = raw.get("dflash_config") or {}
+    if layout == "speculators-eagle3":
+        layers = raw.get("eagle_aux_hidden_state_layer_ids") or eagle3_layers(target_layers)
+    elif layout == "eagle3-original":
+        nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        layers = nested or eagle3_layers(target_layers)
+    elif layout == "dflash":
+        ids = dflash.get("target_layer_ids")
+        layers = [i + 1 for i in ids] if ids else dflash_layers(target_layers, layer["num_hidden_layers"])
+    else:
+        layers = raw.get("aux_hidden_state_layer_ids") or dflash_layers(target_layers, layer["num_hidden_layers"])
+    return HeadConfig(
+        kind=kind, hidden_size=hidden, num_layers=layer["num_hidden_layers"], num_heads=heads,
+        num_kv_heads=layer.get("num_key_value_heads") or heads,
+        head_dim=layer.get("head_dim") or hidden // heads, intermediate_size=layer["intermediate_size"],
+        rms_norm_eps=layer.get("rms_norm_eps", 1e-6), vocab_size=layer.get("vocab_size") or text.vocab_size,
+        layers=tuple(int(i) for i in layers), draft_vocab_size=raw.get("draft_vocab_size") or 0,
+        target_hidden_size=raw.get("target_hidden_size") or 0, attention_bias=bool(layer.get("attention_bias")),
+        mlp_bias=bool(layer.get("mlp_bias")), hidden_act=layer.get("hidden_act", "silu"), rope=_rope_fields(layer),
+        max_position_embeddings=layer.get("max_position_embeddings", 2048),
+        # vLLM reads an absent flag as True for speculators heads, SafeAILab's code has no such option
+        norm_before_residual=bool(raw.get("norm_before_residual", layout == "speculators-eagle3")),
+        norm_before_fc=bool(raw.get("norm_before_fc")), fc_norm=bool(raw.get("fc_norm")),
+        norm_output=bool(raw.get("norm_output")), qk_norm=layer.get("model_type", "qwen3" if kind == "dflash"
+                                                                   else "llama") in ("qwen3", "qwen3_moe"),
+        block_size=int(raw.get("block_size") or dflash.get("block_size") or 0),
+        mask_token_id=int(raw.get("mask_token_id") or dflash.get("mask_token_id") or 0),
+        verifier=((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path") or "",
+        layout=layout,
+    )  # fmt: skip
+
+
+def check(c: HeadConfig, target_config) -> list[str]:
+    """What keeps this head from drafting for this target, one sentence each (empty: nothing)."""
+    text = target_config.get_text_config()
+    problems = []
+    width = c.target_hidden_size or c.hidden_size
+    if width != text.hidden_size:
+        problems.append(f"the head reads features {width} wide, the target's hidden size is {text.hidden_size}: "
+                        "it was made for another target.")  # fmt: skip
+    if c.vocab_size != text.vocab_size:
+        problems.append(f"the head's vocabulary has {c.vocab_size} tokens, the target's {text.vocab_size}: "
+                        "another tokenizer.")  # fmt: skip
+    deepest = text.num_hidden_layers
+    if any(not 0 <= i <= deepest for i in c.layers):
+        problems.append(f"the head reads target layers {list(c.layers)}, the target has {deepest}: it was made for "
+                        "a deeper target.")  # fmt: skip
+    if c.kind == "dflash" and c.block_size < 2:
+        problems.append("the DFlash head's config has no block_size of 2 or more.")
+    if c.kind == "dflash" and c.hidden_size != text.hidden_size:
+        problems.append("a DFlash head's hidden size must equal the target's (it uses the target's embedding).")
+    return problems
+
+
+def _weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickled = sorted(folder.glob("*.bin"))
+        if pickled and allow_pickle():
+            out = {}
+            for f in pickled:
+                out.update(torch.load(f, map_location="cpu", weights_only=True))
+            return out
+        hint = (" It ships pickled .bin weights, which can run code when loaded: set SPECARENA_ALLOW_PICKLE=1 if "
+                "you trust it.") if pickled else ""  # fmt: skip
+        raise UserError(f"head folder {str(folder)!r} has no .safetensors weights.{hint}", field="draft")
+    out = {}
+    for f in files:
+        out.update(load_file(f))
+    return out
+
+
+def _normalise(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every layout's names as Head's: no `model.` prefix, SafeAILab's `midlayer.` as layer 0."""
+    out = {}
+    for name, tensor in weights.items():
+        name = name.removeprefix("model.")
+        if name.startswith("midlayer."):
+            name = "layers.0." + name.removeprefix("midlayer.")
+        out[name] = tensor
+    return out
+
+
+def load_head(spec: str, target, progress=lambda message: None) -> Head:
+    """A head for `target` (a transformers model), on its device and in its dtype, its features checked."""
+    folder = head_folder(spec, progress)
+    c = head_config(read_config(folder), target.config)
+    problems = check(c, target.config)
+    if problems:
+        raise UserError(f"head {spec!r} does not fit this target: {problems[0]}", field="draft")
+    weights = _normalise(_weights(folder))
+    return build(c, weights, target, spec)
+
+
+def build(c: HeadConfig, weights: dict[str, torch.Tensor], target, name: str = "head") -> Head:
+    """A Head from its config and weights, with the target's embedding (and LM head) where it has none of its own."""
+    p = next(target.parameters())
+    own = {k: weights.pop(k) for k in ("embed_tokens.weight", "lm_head.weight", "d2t", "t2d") if k in weights}
+    with torch.device("meta"):
+        head = Head(c)
+    missing, unexpected = head.load_state_dict(weights, strict=False, assign=True)
+    missing = [k for k in missing if k not in ("d2t", "inv_freq")]
+    if missing or unexpected:
+        what = f"missing {missing[:4]}" if missing else f"unexpected {unexpected[:4]}"
+        raise UserError(f"head {name!r} does not match its config ({c.layout} layout): {what}.", field="draft")
+    head.to(device=p.device, dtype=p.dtype)
+    head.reset_rotary()
+    if "embed_tokens.weight" in own:
+        head.embed_tokens = torch.nn.Embedding.from_pretrained(own["embed_tokens.weight"].to(p.device, p.dtype))
+    else:
+        head.embed_tokens = target.get_input_embeddings()
+    if "lm_head.weight" in own:
+        weight = own["lm_head.weight"].to(p.device, p.dtype)
+        head.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=p.device, dtype=p.dtype)
+        head.lm_head.weight.data = weight
+    elif c.draft_vocab_size and c.draft_vocab_size != c.vocab_size:
+        raise UserError(f"head {name!r} has a {c.draft_vocab_size}-token draft vocabulary but no lm_head weights.",
+                        field="draft")  # fmt: skip
+    else:
+        head.lm_head = target.get_output_embeddings()
+    rows = head.lm_head.weight.shape[0]
+    if rows != c.vocab_size:  # a reduced vocabulary: d2t holds each draft id's offset to its target id
+        if "d2t" not in own:
+            raise UserError(f"head {name!r} drafts over {rows} tokens but ships no d2t mapping.", field="draft")
+        head.d2t = (own["d2t"].long() + torch.arange(rows)).to(p.device)
+    return head.eval().requires_grad_(False)
+
+
+def drafter_for(head: Head, vocab_size: int, gamma: int, adaptive: bool = False):
+    """The Drafter that runs this head."""
+    kind = Eagle3 if head.config.kind == "eagle3" else DFlash
+    return kind(head, vocab_size, gamma, adaptive)
+
+
+# ---- writing ---------------------------------------------------------------------------------------------------
+
+
+def _layer_dict(c: HeadConfig, model_type: str) -> dict:
+    return {
+        "model_type": model_type, "hidden_size": c.hidden_size, "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+        "intermediate_size": c.intermediate_size, "rms_norm_eps": c.rms_norm_eps, "vocab_size": c.vocab_size,
+        "hidden_act": c.hidden_act, "attention_bias": c.attention_bias, "mlp_bias": c.mlp_bias,
+        "max_position_embeddings": c.max_position_embeddings, "tie_word_embeddings": False, **c.rope,
+    }  # fmt: skip
+
+
+def write_head(
+    head: Head, folder: Path, layout: str = "speculators-eagle3", verifier: str = "",
+    verifier_arch: str = "LlamaForCausalLM", speculative_tokens: int = 3, card: str = "",
+) -> Path:  # fmt: skip
+    """Save `head` in one of the published layouts (safetensors, and a README.md model card when given)."""
+    from safetensors.torch import save_file
+
+    c = head.config
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}")
+    if ("dflash" in layout) != (c.kind == "dflash"):
+        raise ValueError(f"a {c.kind} head cannot be written in the {layout} layout")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v for k, v in head.state_dict().items() if k not in ("inv_freq", "d2t")
+             and not k.startswith(("embed_tokens.", "lm_head."))}  # fmt: skip
+    draft_vocab = head.lm_head.weight.shape[0]
+    reduced = head.d2t is not None
+    if c.kind == "eagle3" or reduced:
+        state["lm_head.weight"] = head.lm_head.weight
+    if reduced:
+        state["d2t"] = head.d2t - torch.arange(draft_vocab, device=head.d2t.device)
+        t2d = torch.zeros(c.vocab_size, dtype=torch.bool, device=head.d2t.device)
+        t2d[head.d2t] = True
+        state["t2d"] = t2d
+    speculators = {
+        "algorithm": c.kind, "default_proposal_method": "greedy",
+        "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                              "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+        "verifier": {"name_or_path": verifier, "architectures": [verifier_arch]},
+    }  # fmt: skip
+    if layout == "speculators-eagle3":
+        state["embed_tokens.weight"] = head.embed_tokens.weight
+        config = {
+            "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": _layer_dict(c, "llama"),
+            "draft_vocab_size": draft_vocab, "target_hidden_size": c.target_hidden_size or None,
+            "norm_before_residual": c.norm_before_residual, "norm_before_fc": c.norm_before_fc,
+            "fc_norm": c.fc_norm, "norm_output": c.norm_output, "embed_requires_grad": False,
+            "eagle_aux_hidden_state_layer_ids": list(c.layers), "speculators_config": speculators,
+        }  # fmt: skip
+    elif layout == "eagle3-original":
+        if c.norm_before_residual or c.norm_before_fc or c.fc_norm or c.norm_output or c.num_layers != 1:
+            raise ValueError("SafeAILab's layout has one layer and none of the norm options")
+        state = {("midlayer." + k.removeprefix("layers.0.")) if k.startswith("layers.0.") else k: v
+                 for k, v in state.items()}  # fmt: skip
+        config = _layer_dict(c, "llama") | {"architectures": ["LlamaForCausalLMEagle3"],
+                                            "draft_vocab_size": draft_vocab}  # fmt: skip
+    elif layout == "dflash":
+        config = _layer_dict(c, "qwen3") | {
+            "architectures": ["DFlashDraftModel"], "block_size": c.block_size, "num_target_layers": 0,
+            "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": [i - 1 for i in c.layers]},
+        }  # fmt: skip
+    else:
+        config = {
+            "architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
+            "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": _layer_dict(c, "qwen3"),
+            "draft_vocab_size": draft_vocab, "target_hidden_size": c.target_hidden_size or None,
+            "block_size": c.block_size, "mask_token_id": c.mask_token_id,
+            "aux_hidden_state_layer_ids": list(c.layers), "speculators_config": speculators,
+        }  # fmt: skip
+    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if card:
+        (folder / "README.md").write_text(card)
+    return folder
+
+
+def random_head(target, kind: str = "eagle3", draft_vocab: int = 0, layers: int = 1, block_size: int = 8,
+                mask_token_id: int = 0, seed: int = 0, **flags) -> Head:  # fmt: skip
+    """A head with random layers for `target` (tests, and the forge's starting point): the target's layer shape,
+    its embedding, and for EAGLE-3 an LM head of the target's rows for a draft vocabulary of `draft_vocab` ids
+    (0: the whole vocabulary)."""
+    text = target.config.get_text_config()
+    p = next(target.parameters())
+    heads, depth = text.num_attention_heads, text.num_hidden_layers
+    c = HeadConfig(
+        kind=kind, hidden_size=text.hidden_size, num_layers=layers, num_heads=heads,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        intermediate_size=text.intermediate_size, rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+        vocab_size=text.vocab_size,
+        layers=eagle3_layers(depth) if kind == "eagle3" else dflash_layers(depth, layers),
+        draft_vocab_size=draft_vocab if kind == "eagle3" else 0, hidden_act=getattr(text, "hidden_act", "silu"),
+        rope={"rope_theta": (getattr(text, "rope_parameters", None) or {}).get("rope_theta", 10000.0)},
+        max_position_embeddings=getattr(text, "max_position_embeddings", 2048), qk_norm=kind == "dflash",
+        block_size=block_size if kind == "dflash" else 0, mask_token_id=mask_token_id,
+        layout="speculators-eagle3" if kind == "eagle3" else "speculators-dflash", **flags,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    head = Head(c).to(p.device, p.dtype)
+    head.embed_tokens = target.get_input_embeddings()
+    if kind == "eagle3":
+        out = target.get_output_embeddings().weight
+        keep = torch.arange(draft_vocab or c.vocab_size, device=p.device)
+        head.lm_head = torch.nn.Linear(c.hidden_size, keep.numel(), bias=False, device=p.device, dtype=p.dtype)
+        head.lm_head.weight.data = out[keep].clone()
+        if draft_vocab and draft_vocab != c.vocab_size:
+            head.d2t = keep
+    else:
+        head.lm_head = target.get_output_embeddings()
+    return head.eval().requires_grad_(False)
