@@ -73,8 +73,17 @@ def parser() -> argparse.ArgumentParser:
     add_pair_args(bench)
     add_sampling_args(bench, sweep=True)
     bench.add_argument("--prompt", action="append", help="a prompt (repeatable); default: the task suite")
-    bench.add_argument("--suite", help="task categories (comma-separated) or a prompts file (.json, or one a line)")
+    bench.add_argument("--suite", help="task categories (comma-separated), a prompts file (JSON lines, JSON, CSV, "
+                       "text: prompt/text/question, messages, MT-Bench/Spec-Bench turns, ShareGPT conversations) or "
+                       "a Hub dataset org/name[@revision][:split or file]")
+    bench.add_argument("--categories", help="with a file or dataset in --suite: only these categories "
+                       "(comma-separated)")
     bench.add_argument("--per-category", type=int, default=None, help="prompts per category (default: all)")
+    bench.add_argument("--sample-seed", type=int, default=None,
+                       help="draw --per-category prompts at random with this seed (default: the first ones)")
+    bench.add_argument("--held-out", type=float, default=0.0,
+                       help="measure only the held-out share of the set (e.g. 0.2), split by a hash of each item's "
+                       "id and --sample-seed: the part a forge must not train on")
     bench.add_argument("--gamma", default="4", help="comma-separated, e.g. 1,2,4,8")
     bench.add_argument("--drafters", help="comma-separated drafters to sweep (default: --drafter)")
     bench.add_argument("--repeats", type=int, default=3, help="A/B pairs per prompt and cell")
@@ -196,12 +205,22 @@ def _progress(done: int, total: int, what: str) -> None:
         print(file=sys.stderr)
 
 
-def bench_prompts(args) -> dict[str, list[str]]:
-    from engine import presets
+def bench_prompts(args):
+    """The PromptSet a benchmark runs on (engine.measure.promptsets), its categories, split and sample applied."""
+    from engine.measure import promptsets
 
     if args.prompt:
-        return {"prompts": args.prompt}
-    return presets.suite(args.suite, args.per_category)
+        return promptsets.as_set({"prompts": args.prompt})
+    found = promptsets.load(args.suite)
+    categories = [c.strip() for c in (args.categories or "").split(",") if c.strip()]
+    chosen = promptsets.select(found, categories, args.per_category, args.sample_seed, args.held_out)
+    print(chosen.summary(), file=sys.stderr)
+    return chosen
+
+
+def _flat(prompts) -> list[str]:
+    """Each item's first turn: for the measurements that take one prompt at a time."""
+    return [p for ps in prompts.first_turns().values() for p in ps]
 
 
 def cmd_bench(args) -> int:
@@ -218,18 +237,18 @@ def cmd_bench(args) -> int:
         if args.concurrency:
             from engine.measure.load import load_curve
 
-            flat = [p for ps in prompts.values() for p in ps]
+            flat = _flat(prompts)
             data = load_curve(base, flat, _numbers(args.concurrency, int, "concurrency"), args.repeats, _progress)
             print(load_table(data))
         elif args.compare == "direct":
             from engine.measure.overhead import direct_overhead
 
-            flat = [p for ps in prompts.values() for p in ps]
+            flat = _flat(prompts)
             data = direct_overhead(base, flat, args.repeats, _progress)
             print("decode tokens/s through SpecArena / read raw, median (min-max): " + ", ".join(
                 f"{role} {_spread(spread)}" for role, spread in data["ratio"].items()))  # fmt: skip
         elif args.compare == "hf":
-            flat = [p for ps in prompts.values() for p in ps]
+            flat = _flat(prompts)
             data = hfcompare.compare_hf(base, flat, args.repeats, _progress)
             print(hf_table(data))
         elif args.backends:
@@ -324,6 +343,11 @@ def sweep_table(data: dict) -> str:
         lines += [f"  note: {note}" for note in best["notes"]]
         if best["server_command"]:
             lines.append(f"  measured with: {best['server_command']}")
+    if data.get("prompt_set"):
+        lines.append(report.prompt_set_line(data))
+    if (data.get("timing") or {}).get("per_prompt_s"):
+        t = data["timing"]
+        lines.append(f"took {t['wall_s']:.0f} s: {t['per_prompt_s']:.1f} s per prompt (each turn, each cell)")
     return "\n".join(lines)
 
 

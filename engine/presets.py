@@ -33,17 +33,8 @@ def categories() -> list[str]:
 
 
 def suite(selection: str | list[str] | None = None, per_category: int | None = None) -> dict[str, list[str]]:
-    """Prompts by category: all, some named categories, or a JSON/text file (one prompt a line)."""
-    if isinstance(selection, str) and Path(selection).is_file():
-        path = Path(selection)
-        if path.suffix == ".json":
-            data = json.loads(path.read_text())
-            chosen = data.get("categories", data)
-            return {k: (v["prompts"] if isinstance(v, dict) else list(v))[:per_category] for k, v in chosen.items()}
-        return {path.stem: [line for line in path.read_text().splitlines() if line.strip()][:per_category]}
-    names = selection.split(",") if isinstance(selection, str) else selection or categories()
-    names = [n.strip() for n in names if n.strip()]
-    unknown = [n for n in names if n not in tasks()["categories"]]
-    if unknown:
-        raise UserError(f"unknown task categories {unknown}: use {', '.join(categories())} or a prompts file.")
-    return {n: tasks()["categories"][n]["prompts"][:per_category] for n in names}
+    """First turns by category: all task categories, some named ones, a prompts file or a Hub dataset, read by
+    engine.measure.promptsets (which sweeps take whole, multi-turn questions and all)."""
+    from engine.measure.promptsets import load
+
+    return load(selection).sample(per_category).first_turns()

@@ -390,16 +390,20 @@ class LlamaCpp:
 
         return shlex.join(self.commands[role]) if role in self.commands else ""
 
-    def encode(self, prompt: str, s: Settings) -> list[int]:
-        """The prompt's ids from the server's own tokenizer (chat template applied as asked), checked
-        against the server's context."""
+    def encode(self, prompt: str | list[dict], s: Settings) -> list[int]:
+        """The prompt's ids (a string, or a conversation's chat messages) from the server's own tokenizer (chat
+        template applied as asked), checked against the server's context."""
         base = self.urls["baseline"]
         chat = self.chat_template if s.chat is None else s.chat
         if chat and not self.chat_template:
             raise UserError("this GGUF has no chat template: turn the chat template off.", field="chat")
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         text, special = prompt, False
+        if not isinstance(prompt, str):  # a conversation (a later turn): as text when there is no template
+            from engine.decoding.runtime import transcript
+
+            text = transcript(messages)
         if chat:
-            messages = [{"role": "user", "content": prompt}]
             text = http_json(base + "/apply-template", {"messages": messages}, timeout=30)["prompt"]
             special = True
         ids = http_json(base + "/tokenize", {"content": text, "add_special": not chat, "parse_special": special},

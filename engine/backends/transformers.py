@@ -131,7 +131,7 @@ class Transformers:
             "strict": getattr(self, "strict", None),
         }
 
-    def encode(self, prompt: str, s: Settings) -> list[int]:
+    def encode(self, prompt: str | list[dict], s: Settings) -> list[int]:
         """The prompt's ids (chat template applied as asked), checked against the pair's context."""
         pair = self.pair
         chat = pair.target.has_chat_template if s.chat is None else s.chat

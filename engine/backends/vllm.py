@@ -206,7 +206,7 @@ class VLLM:
                 "device": "vLLM server", "device_name": f"vLLM {version or '?'}", "dtype": "as served",
                 **self.config}  # fmt: skip
 
-    def encode(self, prompt: str, s: Settings) -> list[int]:
+    def encode(self, prompt: str | list[dict], s: Settings) -> list[int]:
         chat = bool(getattr(self.tokenizer, "chat_template", None)) if s.chat is None else s.chat
         ids = encode_prompt(self.tokenizer, prompt, chat)
         if self.max_len and len(ids) + s.max_new_tokens > self.max_len:

@@ -1,6 +1,8 @@
 """Measuring speculation: many comparisons, and what to believe of them.
 
-    bench       A/B sweeps over gamma, temperature and drafters, the task suite
+    promptsets  the prompts measured on: the task suite, files (JSONL, JSON, CSV, text), Hub datasets; samples,
+                held-out splits, fingerprints
+    bench       A/B sweeps over gamma, temperature and drafters, on a prompt set by category (multi-turn too)
     hfcompare   ours against Hugging Face generate() and assisted generation, in one process
     load        server backends under concurrent load; overhead: our path on vLLM against raw reads
     predict     the Leviathan model fitted to measured alpha, draft cost and verify cost

@@ -1,4 +1,9 @@
-"""Repeated A/B measurements: sweeps over gamma, temperature and drafter, and the task-category suite.
+"""Repeated A/B measurements: sweeps over gamma, temperature and drafter, on a prompt set by category.
+
+Prompts come as a PromptSet (engine.measure.promptsets: the task suite, a file, a Hub dataset). A multi-turn
+question runs as Spec-Bench runs it: each later turn is asked after the model's own answer to the earlier ones,
+through the chat template, and each turn is its own sample. The answers are the first cell's baseline outputs,
+kept for the whole sweep, so every cell measures the same conversations.
 
 Every measurement is a pair of runs on one prompt, baseline and speculative, one after the other on the
 same device, their order alternating between repeats so that drift (thermal, caches, other load) hits
@@ -8,8 +13,10 @@ max) over its pairs. A warm-up on each prompt comes first.
 
 from __future__ import annotations
 
+import json
 import statistics
 import threading
+import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
@@ -18,6 +25,7 @@ from engine.compare import open_backend, result_of, run, warm_up
 from engine.decoding.lossless import judge
 from engine.decoding.metrics import RunResult, position_counts
 from engine.errors import UserError
+from engine.measure.promptsets import PromptItem, PromptSet, Skip, as_set, too_long
 from engine.settings import TAKES_DRAFT, Settings
 
 Progress = Callable[[int, int, str], None]  # (done, total, what)
@@ -52,6 +60,8 @@ class Sample:
     drafted: int
     accepted: int
     positions: list[list[int]] = field(default_factory=list)  # per draft position: [reached, kept]
+    item: str = ""  # the prompt set's item id
+    turn: int = 1  # which turn of a multi-turn question (1 for single-turn prompts)
 
     @classmethod
     def of(cls, prompt: int, repeat: int, order: str, base: RunResult, spec: RunResult, greedy: bool,
@@ -149,6 +159,7 @@ class Session:
         self.backend.memory = self.memory
         self.environment = self.backend.environment
         self._references: dict[tuple, list[int]] = {}
+        self.answer = ""  # the last ab()'s first baseline text: the model's own answer to that prompt
         self._warm: set[tuple] = set()
 
     def progress(self, done: int, total: int, what: str) -> None:
@@ -177,20 +188,20 @@ class Session:
     def speculative(self, ids: list[int], s: Settings, reference: list[int]) -> RunResult:
         return result_of(run("speculative", self.backend.speculative(ids, s, reference), self.backend.decode))
 
-    def reference(self, prompt: str, ids: list[int]) -> list[int]:
+    def reference(self, prompt: str | list[dict], ids: list[int]) -> list[int]:
         """The target's greedy continuation, for the synthetic drafter (computed once per prompt)."""
-        key = (prompt, self.base.max_new_tokens)
+        key = (_key(prompt), self.base.max_new_tokens)
         if key not in self._references:
             self._references[key] = self.baseline(ids, replace(self.base, temperature=0.0)).token_ids
         return self._references[key]
 
-    def ab(self, s: Settings, prompt: str, prompt_index: int, repeats: int) -> list[Sample]:
-        """`repeats` A/B pairs on one prompt, alternating which side runs first. A warm-up comes first
-        whenever the drafter, gamma, temperature or prompt changes."""
+    def ab(self, s: Settings, prompt: str | list[dict], prompt_index: int, repeats: int) -> list[Sample]:
+        """`repeats` A/B pairs on one prompt (a string, or a conversation's chat messages), alternating which
+        side runs first. A warm-up comes first whenever the drafter, gamma, temperature or prompt changes."""
         self.ready_for(s)
         ids = self.backend.encode(prompt, s)
         reference = self.reference(prompt, ids) if s.drafter == "synthetic" else []
-        key = (prompt, s.drafter, s.gamma, s.temperature, s.p_min)
+        key = (_key(prompt), s.drafter, s.gamma, s.temperature, s.p_min)
         with guarded():
             if key not in self._warm:
                 for status in warm_up(self.backend, ids, s):
@@ -207,6 +218,8 @@ class Session:
                     spec = self.speculative(ids, seeded, reference)
                     base = self.baseline(ids, seeded)
                 order = "AB" if r % 2 == 0 else "BA"
+                if r == 0:
+                    self.answer = base.text
                 samples.append(Sample.of(prompt_index, r, order, base, spec, s.sampling.greedy,
                                          self.environment.get("dtype", "float32")))  # fmt: skip
         return samples
@@ -219,9 +232,43 @@ def _cell_settings(base: Settings, drafter: str, gamma: int, temperature: float,
                    draft_min=draft_min).validate()  # fmt: skip
 
 
+def _key(prompt: str | list[dict]) -> str:
+    """A prompt as a dictionary key: a conversation by its JSON."""
+    return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+def conversation(item: PromptItem, turn: int, answers: list[str]) -> str | list[dict]:
+    """What the model is asked at `turn` (0-based): the first turn as a plain prompt; a later one as chat
+    messages, the earlier turns each followed by the model's own answer (Spec-Bench's multi-turn protocol)."""
+    if turn == 0:
+        return item.turns[0]
+    messages = []
+    for question, answer in zip(item.turns[:turn], answers):
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    return messages + [{"role": "user", "content": item.turns[turn]}]
+
+
+def fit_context(session: Session, prompts: PromptSet, s: Settings) -> PromptSet:
+    """The set without the items whose first turn does not fit the context with max new tokens (each skipped,
+    counted and said in the set's `skipped`)."""
+    kept, skipped = [], list(prompts.skipped)
+    for item in prompts.items:
+        try:
+            session.backend.encode(item.prompt, s)
+            kept.append(item)
+        except UserError as exc:
+            if not too_long(exc):
+                raise
+            skipped.append(Skip(item.where or item.id, f"longer than the target's context: {exc}"))
+    if not kept:
+        raise UserError(f"every prompt of {prompts.name} is longer than the target's context with {s.max_new_tokens} "
+                        "new tokens: lower max new tokens or use shorter prompts.")  # fmt: skip
+    return PromptSet(prompts.name, prompts.fingerprint, prompts.layout, kept, skipped, prompts.selection)
+
+
 def sweep(
     base: Settings,
-    prompts: dict[str, list[str]],
+    prompts: PromptSet | dict[str, list[str]],
     gammas: list[int],
     temperatures: list[float],
     drafters: list[str],
@@ -230,14 +277,15 @@ def sweep(
     stop: threading.Event | None = None,
     p_mins: list[float] | None = None,
 ) -> dict:
-    """Every (drafter, gamma, temperature, confidence stop) cell measured on every prompt (grouped by task
-    category). The confidence stops apply to the draft model only; other drafters run at the first.
+    """Every (drafter, gamma, temperature, confidence stop) cell measured on every prompt of the set (each turn
+    of a multi-turn question its own sample, grouped by category). The confidence stops apply to the draft model
+    only; other drafters run at the first.
 
     A task-suite run is a sweep with one cell: its `by_category` gives speedup and acceptance per task.
     """
     p_mins = p_mins or [base.p_min]
-    flat = [(category, p) for category, ps in prompts.items() for p in ps]
-    if not flat or not gammas or not temperatures or not drafters:
+    prompts = as_set(prompts)
+    if not prompts.items or not gammas or not temperatures or not drafters:
         raise UserError("a sweep needs at least one prompt, gamma, temperature and drafter.")
     if repeats < 1:
         raise UserError(f"repeats {repeats} is out of range: use 1 or more.")
@@ -247,28 +295,51 @@ def sweep(
             for p in (p_mins if d == "draft-model" else p_mins[:1])]  # fmt: skip
     for cell in grid:  # every cell's settings are checked before hours of measuring start
         _cell_settings(base, *cell)
+    started = time.perf_counter()
     session = Session(_cell_settings(base, *grid[0]), progress, stop)
-    total, done, cells = len(grid) * len(flat), 0, []
+    prompts = fit_context(session, prompts, session.base)
+    answers: dict[tuple[str, int, float], str] = {}  # (item, turn, temperature) -> the model's answer, sweep-wide
+    late: list[Skip] = []  # later turns that outgrew the context
+    total, done, cells = len(grid) * prompts.turns(), 0, []
     for drafter, gamma, temperature, p_min in grid:
-        samples = []
+        samples, categories = [], []
         session.memory.clear()  # each cell's prompts start from the same (empty) session
         stops = f", confidence stop {p_min:g}" if p_min else ""
-        for i, (category, prompt) in enumerate(flat):
-            session.progress(done, total, f"{drafter}, gamma {gamma}, temperature {temperature}{stops}: "
-                             f"{category} {i + 1}")  # fmt: skip
-            samples += session.ab(_cell_settings(base, drafter, gamma, temperature, p_min), prompt, i, repeats)
-            done += 1
-        categories = [c for c, _ in flat for _ in range(repeats)]
+        cell = _cell_settings(base, drafter, gamma, temperature, p_min)
+        for i, item in enumerate(prompts.items):
+            for turn in range(len(item.turns)):
+                turn_name = f" turn {turn + 1}" if len(item.turns) > 1 else ""
+                session.progress(done, total, f"{drafter}, gamma {gamma}, temperature {temperature}{stops}: "
+                                 f"{item.category} {i + 1}{turn_name}")  # fmt: skip
+                done += 1
+                earlier = [answers[(item.id, k, temperature)] for k in range(turn)]
+                try:
+                    got = session.ab(cell, conversation(item, turn, earlier), len(samples) // repeats, repeats)
+                except UserError as exc:
+                    if not too_long(exc):
+                        raise
+                    where = f"{item.where or item.id} turn {turn + 1}"
+                    if where not in {k.where for k in late}:  # said once, not once per cell
+                        late.append(Skip(where, f"after the earlier answers, longer than the target's context: {exc}"))
+                    done += len(item.turns) - turn - 1
+                    break
+                answers.setdefault((item.id, turn, temperature), session.answer)
+                samples += [replace(x, item=item.id, turn=turn + 1) for x in got]
+                categories += [item.category] * len(got)
         command = getattr(session.backend, "command_line", lambda: "")()
         cells.append(Cell(drafter, gamma, temperature, samples, categories, p_min, command))
     progress(total, total, "done")
     from engine.measure.predict import fit_all
 
-    settings = _settings(base, flat, repeats) | {"gammas": gammas, "temperatures": temperatures, "drafters": drafters,
-                                                 "p_mins": p_mins}  # fmt: skip
+    settings = _settings(base, prompts, repeats) | {"gammas": gammas, "temperatures": temperatures,
+                                                    "drafters": drafters, "p_mins": p_mins}  # fmt: skip
+    measured = sum(len(c.samples) for c in cells) // repeats
+    wall = time.perf_counter() - started
+    described = prompts.describe() | {"skipped": [asdict(k) for k in prompts.skipped + late]}
     return {
         "kind": "sweep",
         "settings": settings,
+        "prompt_set": described,
         "environment": session.environment,
         "cells": [c.summary() for c in cells],
         "samples": [
@@ -277,8 +348,13 @@ def sweep(
             for s, cat in zip(c.samples, c.categories)
         ],  # fmt: skip
         "fits": fit_all(cells),
+        # wall time of the whole sweep (loading, warm-ups, every A/B pair) per prompt-turn and cell measured
+        "timing": {"wall_s": wall, "prompt_turns": measured, "per_prompt_s": wall / measured if measured else None},
     }
 
 
-def _settings(base: Settings, prompts: list[tuple[str, str]], repeats: int) -> dict:
-    return base.to_dict() | {"prompts": [{"category": c, "prompt": p} for c, p in prompts], "repeats": repeats}
+def _settings(base: Settings, prompts: PromptSet, repeats: int) -> dict:
+    listed = [{"category": i.category, "id": i.id, "prompt": i.prompt} | ({"turns": list(i.turns)}
+              if len(i.turns) > 1 else {}) for i in prompts.items]  # fmt: skip
+    return base.to_dict() | {"prompts": listed, "repeats": repeats, "prompt_set": prompts.name,
+                             "prompt_set_fingerprint": prompts.fingerprint}  # fmt: skip

@@ -1,7 +1,8 @@
 """Reports of sweeps and suites: JSON with everything, CSV of the cells, settings ready to paste.
 
 The JSON is the record (settings, library versions, device, every A/B pair); the CSV is for
-spreadsheets; the snippets carry the best gamma found into transformers, vLLM and llama.cpp.
+spreadsheets; the snippets carry the best gamma found into transformers, vLLM and llama.cpp. Each names the
+prompt set it was measured on (file hash or dataset revision, sample and split), so a result can be reproduced.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def snippets(report: dict) -> dict[str, str]:
         return {"vllm": vllm_serve(s, best)}
     if s.get("backend") == "llama.cpp" and best["server_command"]:
         return {"llama.cpp": best["server_command"]}
+    if best["drafter"] == "suffix":  # vLLM's suffix decoding (arctic-inference); transformers and llama.cpp have none
+        return {"vllm": vllm_serve(s, best)}
     if best["drafter"] == "prompt-lookup":
         return {
             "transformers": f"model.generate(**inputs, prompt_lookup_num_tokens={gamma}, "
@@ -149,13 +152,34 @@ def to_csv(report: dict) -> str:
     return out.getvalue()
 
 
+def prompt_set_line(report: dict) -> str:
+    """Which prompts a report rests on, in one line: name, fingerprint, how many, how they were chosen."""
+    p = report.get("prompt_set")
+    if not p:
+        return "Prompt set: not recorded."
+    sel = p.get("selection", {})
+    how = []
+    if sel.get("per_category"):
+        drawn = f" drawn with seed {sel['seed']}" if sel.get("seed") is not None else " (the first)"
+        how.append(f"{sel['per_category']} per category{drawn}")
+    if sel.get("held_out"):
+        how.append(f"the {sel.get('part', 'held-out')} part of a {sel['held_out']:g} held-out split "
+                   f"(seed {sel.get('split_seed', 0)})")  # fmt: skip
+    if sel.get("categories"):
+        how.append("categories " + ", ".join(sel["categories"]))
+    skipped = f"; {len(p['skipped'])} skipped" if p.get("skipped") else ""
+    return (f"Prompt set: {p['name']} ({p['fingerprint']}), {p['items']} prompt(s), {p['turns']} turn(s) in "
+            f"{len(p['categories'])} categories" + (f"; {'; '.join(how)}" if how else "") + skipped + ".")
+
+
 def snippets_markdown(report: dict) -> str:
     best = best_setting(report)
     if best is None:
-        return "No setting to take elsewhere: only synthetic cells (a measuring tool) were measured.\n"
+        return ("No setting to take elsewhere: only synthetic cells (a measuring tool) were measured.\n\n"
+                + prompt_set_line(report) + "\n")  # fmt: skip
     stop = f", confidence stop {best['p_min']:g}" if best["p_min"] else ""
     lines = [f"# Best setting: {best['drafter']}, gamma {best['gamma']}, temperature {best['temperature']}{stop}: "
-             f"{best['speedup']:.2f}x measured over {best['samples']} samples\n"]  # fmt: skip
+             f"{best['speedup']:.2f}x measured over {best['samples']} samples\n", prompt_set_line(report) + "\n"]
     lines += [f"> Note: {note}." for note in best["notes"]]
     for fit in report.get("fits", []):
         stop = f", confidence stop {fit['p_min']:g}" if fit.get("p_min") else ""
