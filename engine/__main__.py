@@ -118,6 +118,28 @@ def parser() -> argparse.ArgumentParser:
                            "cache it for the llama.cpp backend (about 10 minutes on 2 cores; once per CPU)")
     build.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all cores)")
 
+    forge = sub.add_parser("forge", help="train an EAGLE-3 head for a target on this machine within a time budget "
+                           "(data from the target itself), in the speculators layout, and measure whether it pays")
+    forge.add_argument("--target", default=BUNDLED, help=f"Hub id, local folder or {BUNDLED} (default)")
+    forge.add_argument("--prompts", help="a prompts file (JSON lines, JSON, CSV, text) or a Hub dataset")
+    forge.add_argument("--suite", help="task categories (comma-separated; default: all)")
+    forge.add_argument("--minutes", type=float, default=15.0, help="the whole budget: loading, data, training, "
+                       "export (the final measurement comes on top)")
+    forge.add_argument("--gamma-max", type=int, default=4, help="train-time-test steps: the longest draft trained "
+                       "and measured")
+    forge.add_argument("--out", required=True, help="the head's folder (an existing forge folder resumes)")
+    forge.add_argument("--held-out", type=float, default=0.2, help="share of the prompts never trained on, measured "
+                       "at the end")
+    forge.add_argument("--seed", type=int, default=0)
+    forge.add_argument("--dtype", default="float32")
+    forge.add_argument("--device", default="auto")
+    forge.add_argument("--batch-size", type=int, default=48, help="prompts the target answers together")
+    forge.add_argument("--max-new-tokens", type=int, default=128, help="longest answer generated for the data")
+    forge.add_argument("--threads", default="auto", help="torch threads (auto: timed)")
+    forge.add_argument("--no-pays", action="store_true", help="skip the final measurement on held-out prompts")
+    forge.add_argument("--pays-repeats", type=int, default=1)
+    forge.add_argument("--json", metavar="PATH", help="write the summary as JSON")
+
     doctor = sub.add_parser("doctor", help="check a pair from configs and tokenizers, before loading weights")
     add_pair_args(doctor)
     doctor.add_argument("--tokens", type=int, default=2048, help="prompt + new tokens, to size the KV cache")
@@ -456,8 +478,33 @@ def cmd_build_llama_server(args) -> int:
     return 0
 
 
+def cmd_forge(args) -> int:
+    from engine.forge import ForgeConfig, forge
+
+    cfg = ForgeConfig(target=args.target, out=args.out, suite=args.prompts or args.suite, minutes=args.minutes,
+                      held_out=args.held_out, seed=args.seed, dtype=args.dtype, device=args.device,
+                      batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, steps=args.gamma_max,
+                      threads=args.threads, pays=not args.no_pays, pays_repeats=args.pays_repeats)  # fmt: skip
+
+    def show(event) -> None:
+        eta = f" [{event.eta_s // 60:.0f}:{event.eta_s % 60:02.0f} left]" if event.eta_s is not None else ""
+        print(f"{event.phase:>6} {event.done:4.0%}{eta} {event.message}", file=sys.stderr, flush=True)
+
+    summary = forge(cfg, show)
+    if summary:
+        timing = ", ".join(f"{k} {v:.0f} s" for k, v in summary["timing"].items())
+        print(f"forged {args.out} in {summary['wall_s']:.0f} s ({timing})")
+        print(f"validation acceptance per position {summary['training']['val_acceptance']}, expected accepted "
+              f"length {summary['training']['val_expected_length']:.2f}")  # fmt: skip
+        if summary.get("pays"):
+            print(summary["pays"]["verdict"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1, default=str))
+    return 0 if summary else 1
+
+
 COMMANDS = {"run": cmd_run, "bench": cmd_bench, "doctor": cmd_doctor, "gpu-check": cmd_gpu_check,
-            "build-llama-server": cmd_build_llama_server}  # fmt: skip
+            "build-llama-server": cmd_build_llama_server, "forge": cmd_forge}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -469,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.worker import ENGINE
 
     try:
-        if args.command == "bench":  # all of a benchmark's torch work on one thread (engine.worker)
+        if args.command in ("bench", "forge"):  # all of a benchmark's torch work on one thread (engine.worker)
             return ENGINE.call(COMMANDS[args.command], args)
         return COMMANDS[args.command](args)
     except UserError as exc:

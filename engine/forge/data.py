@@ -1,0 +1,253 @@
+"""The forge's data: the target's own answers to prompts, with what a head learns from, written as it goes.
+
+Self-distillation (EAGLE-3, HASS): the target answers the training prompts itself, greedily and sampled, in
+left-padded batches (one prompt at a time leaves a CPU's matrix units idle: a batch of 48 one-token rows costs
+about what 4 single rows do). Every pass of that generation already computes what a head needs, so nothing is run
+twice: the hidden states of the layers the head reads (transformers' `hidden_states[i]`, i in [2, L//2, L-3]) for
+every token fed, and the next-token distribution at every answer position, kept as its top-k (ids and
+probabilities: the soft label). Where the prompts are few, the target first writes new ones in their style
+(`variations`), then answers those too.
+
+One batch becomes one shard under `DIR/data/` (safetensors, sequences packed end to end with their offsets), so a
+run that stops keeps what it made and a resumed run reads it back instead of generating again. Features are kept in
+16 bits (float16 when they fit, else bfloat16), labels as int32 ids and float16 probabilities.
+
+Position bookkeeping (the head's rows, engine.decoding.heads): a sequence x_0..x_{n-1} (prompt of P tokens, then the
+answer) has features g_0..g_{n-2} (every token fed to the target) and labels at positions P-1..n-2 (the distribution
+of x_{j+1}); the head's row t reads (x_{t+1}, g_t) and learns the label at position t+1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+
+TOP_K = 16  # probabilities kept per answer position: the soft label (the rest of the mass is dropped)
+
+VARIATION = (
+    "Here is an example of a request a user sent to an assistant:\n\n{prompt}\n\n"
+    "Write one new request of the same kind, on a different subject. Reply with the new request only."
+)
+
+
+@dataclass
+class Sequence:
+    """One prompt and the target's answer, with the head's inputs and labels (see the module docstring)."""
+
+    tokens: list[int]
+    prompt_len: int
+    features: torch.Tensor  # (n - 1, layers x hidden), 16 bits
+    top_ids: torch.Tensor  # (n - 1, TOP_K) int32: the label of position j sits in row j (zeros in the prompt)
+    top_p: torch.Tensor  # (n - 1, TOP_K) float16
+    source: str = ""  # "greedy" | "sampled" | "variation"
+    prompt_id: str = ""
+
+
+@dataclass
+class Batch:
+    """Prompts' token ids, generated together."""
+
+    prompts: list[list[int]]
+    ids: list[str]
+    temperature: float  # 0: greedy
+    max_new_tokens: int
+    source: str
+
+
+def feature_dtype(features: torch.Tensor) -> torch.dtype:
+    """float16 keeps 3 more bits than bfloat16 where the states fit its range (some models' residual streams
+    carry values in the thousands)."""
+    return torch.float16 if features.abs().max().item() < 6e4 else torch.bfloat16
+
+
+def eos_of(model, tokenizer) -> set[int]:
+    from engine.decoding.runtime import eos_ids
+
+    return eos_ids(model, tokenizer)
+
+
+def _left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    return ids, mask
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
+    """Next tokens (B,) from last-row logits (B, V): argmax, or a draw at `temperature`."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, -1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def generate(model, batch: Batch, layers: tuple[int, ...], eos: set[int], generator: torch.Generator,
+             deadline: float = float("inf")) -> list[Sequence]:  # fmt: skip
+    """The target answers a batch of prompts, left-padded, over a KV cache; each pass's hidden states of `layers`
+    and top-k next-token probabilities are kept. Stops at EOS per row, at max_new_tokens, or at `deadline`
+    (time.perf_counter()), keeping what each row has so far."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    b = len(batch.prompts)
+    ids, mask = _left_pad(batch.prompts, 0)
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    feats, tops, probs, new = [], [], [], []  # per pass: (B, rows, F), (B, K) x2, (B,)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
+                    output_hidden_states=True, logits_to_keep=1)  # fmt: skip
+        for step in range(batch.max_new_tokens):
+            feats.append(torch.cat([out.hidden_states[i] for i in layers], -1))  # (B, rows, F)
+            logits = out.logits[:, -1].float()  # (B, V)
+            p, top = torch.softmax(logits, -1).topk(TOP_K, -1)
+            tops.append(top.to(torch.int32))
+            probs.append(p.to(torch.float16))
+            token = _pick(logits, batch.temperature, generator)
+            token = torch.where(done, torch.zeros_like(token), token)
+            new.append(token)
+            done |= torch.tensor([int(t) in eos for t in token.tolist()], device=device)
+            if bool(done.all()) or step + 1 == batch.max_new_tokens or time.perf_counter() > deadline:
+                break
+            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=device)], 1)
+            positions = positions[:, -1:] + 1
+            out = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions, cache=cache,
+                        use_cache=True, output_hidden_states=True)  # fmt: skip
+    return _sequences(batch, feats, tops, probs, new, eos)
+
+
+def _sequences(batch: Batch, feats, tops, probs, new, eos: set[int]) -> list[Sequence]:
+    """Per-row sequences from the batch's passes (left padding and everything after a row's EOS dropped)."""
+    prompt_feats = feats[0]  # (B, width, F): the prefill's rows
+    width = prompt_feats.shape[1]
+    gen_feats = torch.cat(feats[1:], 1) if len(feats) > 1 else prompt_feats[:, :0]  # (B, steps - 1, F)
+    top_ids, top_p, tokens = torch.stack(tops, 1), torch.stack(probs, 1), torch.stack(new, 1)  # (B, steps, ...)
+    out = []
+    for i, prompt in enumerate(batch.prompts):
+        answer = tokens[i].tolist()
+        end = next((k + 1 for k, t in enumerate(answer) if t in eos), len(answer))
+        answer = answer[:end]
+        n = len(prompt) + len(answer)
+        # features of every token fed: the prompt's (prefill) and the answer's but its last
+        f = torch.cat([prompt_feats[i, width - len(prompt) :], gen_feats[i, : len(answer) - 1]])  # (n - 1, F)
+        ids = torch.zeros((n - 1, TOP_K), dtype=torch.int32)
+        p = torch.zeros((n - 1, TOP_K), dtype=torch.float16)
+        ids[len(prompt) - 1 :] = top_ids[i, : len(answer)]
+        p[len(prompt) - 1 :] = top_p[i, : len(answer)]
+        f = f.float()
+        out.append(Sequence(prompt + answer, len(prompt), f.to(feature_dtype(f)), ids, p, batch.source,
+                            batch.ids[i]))  # fmt: skip
+    return out
+
+
+def texts(tokenizer, sequences: list[Sequence], eos: set[int]) -> list[str]:
+    """The answers as text (for new prompts written by the target)."""
+    return [tokenizer.decode([t for t in s.tokens[s.prompt_len :] if t not in eos], skip_special_tokens=True).strip()
+            for s in sequences]  # fmt: skip
+
+
+def usable_variation(text: str, seen: set[str]) -> bool:
+    """A prompt the target wrote that is worth answering: not empty, not huge, not a repeat."""
+    key = " ".join(text.lower().split())
+    if not 15 <= len(text) <= 800 or key in seen:
+        return False
+    seen.add(key)
+    return True
+
+
+def prompt_id(text: str) -> str:
+    return "gen-" + hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+# --- shards on disk -----------------------------------------------------------------------------------------------
+
+
+def write_shard(folder: Path, index: int, sequences: list[Sequence], split: str) -> Path:
+    """One shard: the sequences packed end to end (tokens, features, labels) and their offsets."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    lengths = torch.tensor([len(s.tokens) for s in sequences], dtype=torch.int64)
+    tensors = {
+        "tokens": torch.tensor([t for s in sequences for t in s.tokens], dtype=torch.int32),
+        "lengths": lengths, "prompt_lens": torch.tensor([s.prompt_len for s in sequences], dtype=torch.int64),
+        "features": torch.cat([s.features.to(sequences[0].features.dtype) for s in sequences]),
+        "top_ids": torch.cat([s.top_ids for s in sequences]), "top_p": torch.cat([s.top_p for s in sequences]),
+    }  # fmt: skip
+    meta = {"split": split, "sources": json.dumps([s.source for s in sequences]),
+            "prompt_ids": json.dumps([s.prompt_id for s in sequences])}  # fmt: skip
+    path = folder / f"shard-{index:05d}-{split}.safetensors"
+    save_file(tensors, str(path), metadata=meta)
+    return path
+
+
+def read_shard(path: Path) -> tuple[str, list[Sequence]]:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    t = load_file(str(path))
+    sources, ids = json.loads(meta["sources"]), json.loads(meta["prompt_ids"])
+    out, at, row = [], 0, 0
+    for i, (n, p) in enumerate(zip(t["lengths"].tolist(), t["prompt_lens"].tolist())):
+        rows = slice(row, row + n - 1)
+        out.append(Sequence(t["tokens"][at : at + n].tolist(), p, t["features"][rows], t["top_ids"][rows],
+                            t["top_p"][rows], sources[i], ids[i]))  # fmt: skip
+        at, row = at + n, row + n - 1
+    return meta["split"], out
+
+
+@dataclass
+class Dataset:
+    """Every sequence made so far, by split ("train" or "val": prompts of the training side kept for early stopping
+    and for the held-out figures; the evaluation prompts are never generated here)."""
+
+    train: list[Sequence] = field(default_factory=list)
+    val: list[Sequence] = field(default_factory=list)
+    shards: int = 0
+
+    def add(self, split: str, sequences: list[Sequence]) -> None:
+        (self.val if split == "val" else self.train).extend(sequences)
+
+    def answer_tokens(self, split: str = "train") -> int:
+        return sum(len(s.tokens) - s.prompt_len for s in (self.val if split == "val" else self.train))
+
+    def bytes(self) -> int:
+        return sum(s.features.numel() * s.features.element_size() + s.top_ids.numel() * 6
+                   for s in self.train + self.val)  # fmt: skip
+
+    @classmethod
+    def read(cls, folder: Path) -> "Dataset":
+        data = cls()
+        for path in sorted(folder.glob("shard-*.safetensors")):
+            split, sequences = read_shard(path)
+            data.add(split, sequences)
+            data.shards += 1
+        return data
+
+
+# --- the plan: which prompts, answered how ----------------------------------------------------------------------
+
+
+def batches(prompts: list[tuple[str, list[int]]], size: int, temperature: float, max_new_tokens: int,
+            source: str) -> Iterator[Batch]:  # fmt: skip
+    """Prompts of similar length together (less padding), `size` at a time."""
+    ordered = sorted(prompts, key=lambda p: len(p[1]))
+    for start in range(0, len(ordered), size):
+        chunk = ordered[start : start + size]
+        yield Batch([p[1] for p in chunk], [p[0] for p in chunk], temperature, max_new_tokens, source)
+
+
+Say = Callable[[str], None]

@@ -1,0 +1,136 @@
+"""Writing a forged head: the speculators layout every engine reads, and a model card that says how it was made.
+
+Flags (HEADS.md, export checklist): one Llama-style layer with full attention, features [2, L//2, L-3],
+`norm_before_residual` written out, no norm_before_fc / fc_norm / norm_output (llama.cpp implements none of them),
+`lm_head` and int64 `d2t` / bool `t2d` in the file (engine.models.heads.write_head).
+
+The recommended gamma comes from the validation acceptance per position and this machine's costs: the head's own
+step (timed here, relative to a one-token target pass) and the target's verify passes (engine.measure.predict).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from engine.decoding.heads import Head, HeadCache
+
+
+def head_step_cost(head: Head, loaded, rows: int = 64, repeats: int = 20) -> float:
+    """One draft step of the head (one row after `rows` real rows) over one target pass (loaded.step_s)."""
+    c = head.config
+    p = next(head.parameters())
+    width = c.feature_size
+    with torch.inference_mode():
+        cache = HeadCache(c.num_layers, c.num_kv_heads, c.head_dim, p.dtype, p.device, rows + 32)
+        state, _ = head.eagle3(torch.zeros(rows, dtype=torch.long, device=p.device),
+                               head.fuse(torch.zeros(rows, width, dtype=p.dtype, device=p.device)), cache)  # fmt: skip
+        token = torch.zeros(1, dtype=torch.long, device=p.device)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(repeats):
+                cache.crop(rows)
+                head.to_target(head.eagle3(token, state[-1:], cache)[1], c.vocab_size).argmax()
+            best = min(best, (time.perf_counter() - start) / repeats)
+    return best / loaded.step_s if loaded.step_s else 0.0
+
+
+def recommend(acceptance: list[float], c: float, verify: list[float]) -> dict:
+    """The gamma with the best predicted speedup, from per-position acceptance (beyond the trained steps, the last
+    one's), the head's cost c and verify costs V(k) (list: k = 0..)."""
+    from engine.measure.predict import predict
+
+    points = {k: v for k, v in enumerate(verify) if k > 0}
+    alpha = acceptance[-1] if acceptance else 0.0
+    curve = [{"gamma": g, "predicted": predict(acceptance, alpha, c, points, g)}
+             for g in range(1, max(len(acceptance), 1) + 1)]  # fmt: skip
+    best = max(curve, key=lambda p: p["predicted"])
+    return {"gamma": best["gamma"], "predicted_speedup": best["predicted"], "curve": curve, "c": c}
+
+
+def write(head: Head, folder: Path, loaded, summary: dict) -> Path:
+    """The head in the speculators layout, with README.md; fills summary["held_out"]."""
+    from engine.models.heads import write_head
+
+    training = summary["training"]
+    with torch.inference_mode():
+        verify = list(loaded.verify_costs)
+    c = head_step_cost(head, loaded)
+    summary["held_out"] = {"val_acceptance": training["val_acceptance"],
+                           "val_expected_length": training["val_expected_length"],
+                           "recommended": recommend(training["val_acceptance"], c, verify)}  # fmt: skip
+    arch = (getattr(loaded.model.config, "architectures", None) or [type(loaded.model).__name__])[0]
+    verifier = loaded.origin.split(" from ")[0] if loaded.origin else summary["target"]
+    write_head(head, folder, layout="speculators-eagle3", verifier=verifier, verifier_arch=arch,
+               speculative_tokens=summary["held_out"]["recommended"]["gamma"], card=card(summary))  # fmt: skip
+    return folder
+
+
+def write_card(folder: Path, summary: dict) -> None:
+    (Path(folder) / "README.md").write_text(card(summary))
+
+
+def _row(cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def card(s: dict) -> str:
+    """The model card: what the head is for, how it was made, what it does on held-out prompts."""
+    v, d, t, h = s["vocabulary"], s["data"], s["training"], s.get("held_out", {})
+    rec = h.get("recommended", {})
+    acc = " / ".join(f"{a:.2f}" for a in t["val_acceptance"])
+    lines = [
+        "---", "library_name: speculators", "tags: [eagle3, speculative-decoding, specarena-forge]", "---", "",
+        f"# EAGLE-3 head for {s['target']}", "",
+        "Forged by SpecArena (`python -m engine forge`): one Llama-style layer over the target's layers "
+        "[2, L//2, L-3], trained by self-distillation on the target's own answers, in vLLM's speculators layout "
+        "(full attention, `norm_before_residual` written out, no extra norms, `lm_head` and `d2t`/`t2d` in the file).",
+        "", "## Target", "",
+        f"- target: `{s['target']}`" + (f" ({s['origin']})" if s.get("origin") else ""),
+        f"- revision / folder: `{s['revision']}`",
+        "", "## Data", "",
+        f"- prompts: {s['prompts']['source']} ({s['prompts']['fingerprint'][:19]}): {s['prompts']['train']} train, "
+        f"{s['prompts']['val']} validation, {s['prompts']['held_out']} held out (never generated on or trained on)",
+        f"- the target's own answers: {d['train_answers']} train ({d['train_answer_tokens']:,} answer tokens; by "
+        f"source {d['sources']}), {d['val_answers']} validation ({d['val_answer_tokens']:,} tokens)",
+        f"- draft vocabulary: {v['size']:,} of {v['target_vocabulary']:,} tokens, covering {v['train_coverage']:.1%} "
+        f"of training labels and {v['val_coverage']:.1%} of validation labels",
+        "", "## Training", "",
+        f"- {t['steps']} steps, {t['rows']:,} rows, {t['ttt_steps']} train-time-test steps, soft labels (top-16), "
+        f"best state at step {t['best_step']}" + (" (resumed)" if t.get("resumed") else ""),
+        f"- time: {s['wall_s']:.0f} s in all: " + ", ".join(f"{k} {v:.0f} s" for k, v in s["timing"].items()),
+        f"- machine: {s['machine']}; {s['machine_choice']}",
+        "", "## Held-out acceptance", "",
+        f"- validation answers (prompts never trained on), greedy acceptance per draft position: {acc}; expected "
+        f"accepted length per verify pass {t['val_expected_length']:.2f}",
+    ]  # fmt: skip
+    if rec:
+        lines.append(f"- recommended gamma {rec['gamma']} on this machine: predicted {rec['predicted_speedup']:.2f}x "
+                     f"(head step {rec['c']:.3f} of a target pass)")  # fmt: skip
+    pays = s.get("pays")
+    if pays:
+        lines += ["", "## Does it pay (held-out prompts, greedy, measured)", "",
+                  _row(["drafter", "gamma", "speedup (median)", "predicted", "accepted length", "identical"]),
+                  _row(["---"] * 6)]  # fmt: skip
+        for r in pays["rows"]:
+            lines.append(_row([r["drafter"], r["gamma"], _x(r["speedup"]), _x(r.get("predicted")),
+                               _f(r["mean_accepted_length"]), r["identical"]]))  # fmt: skip
+        lines += ["", pays["verdict"]]
+    lines += ["", "## Use", "", f"- SpecArena: `python -m engine run --target {s['target']} --drafter eagle3 "
+              "--draft THIS_FOLDER --prompt ...`", "- vLLM: `vllm serve TARGET --speculative-config "
+              f"'{{\"method\":\"eagle3\",\"model\":\"THIS_FOLDER\",\"num_speculative_tokens\":"
+              f"{rec.get('gamma', 3)}}}'`",
+              "- llama.cpp: `python convert_hf_to_gguf.py THIS_FOLDER --target-model-dir TARGET_DIR --outfile "
+              "head.gguf`, then `llama-server -m target.gguf -md head.gguf --spec-type draft-eagle3`", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def _x(value) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _f(value) -> str:
+    return "-" if value is None else f"{value:.2f}"

@@ -1,0 +1,412 @@
+"""The forge: an EAGLE-3 head for a target, made on the machine at hand within a time budget.
+
+    1. prompts   the task suite's categories or a prompts file (engine.measure.promptsets); a held-out share set
+                 aside by hash (never generated on, never trained on: the final measurement's), a validation share
+                 of the rest (generated, never trained on: early stopping and the held-out figures)
+    2. data      the target answers the training prompts (greedy, then sampled) and writes new prompts in their
+                 style, answered in turn, until the data share of the budget is spent (engine.forge.data)
+    3. vocab     the draft vocabulary from the labels (covering `coverage` of them)
+    4. train     TTT training with soft labels, evaluated on the validation data every so often; the best state kept
+    5. export    speculators layout (engine.models.heads.write_head) with a model card
+
+`forge_events` yields ForgeEvents (phase, progress, ETA, loss and acceptance per draft position) for the CLI and the
+Lab; `forge` drains them. A stop flag ends the current phase at the next batch and the best state is still written.
+A folder that already holds data and a checkpoint resumes: its data is read back, training continues.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from engine.forge import data as D
+from engine.forge import train as T
+
+VAL_SHARE = 0.1  # of the training side's prompts (and of the target's new prompts): validation, never trained on
+
+
+@dataclass
+class ForgeConfig:
+    target: str
+    out: str
+    suite: str | None = None  # task categories (comma-separated; all when empty) or a prompts file / dataset
+    minutes: float = 15.0  # the whole budget: loading, data, training, export (the "does it pay" bench is extra)
+    held_out: float = 0.2  # share of the prompts kept for the final measurement (by hash of their ids)
+    seed: int = 0
+    dtype: str = "float32"
+    device: str = "auto"
+    data_share: float = 0.45  # of the budget left after loading
+    batch_size: int = 48  # prompts generated together
+    max_new_tokens: int = 128
+    temperature: float = 0.8  # the sampled answers' (greedy answers come first)
+    variations: bool = True  # the target writes new prompts when the given ones are spent
+    steps: int = 4  # train-time-test steps: the longest draft trained (also --gamma-max)
+    coverage: float = 0.97  # of the training labels the draft vocabulary covers
+    lr: float = 1e-3
+    init: str = "target"  # "target": the layer starts as the target's last layer; "random"
+    batch_rows: int = 3072  # padded rows per training batch
+    threads: str = "auto"  # "auto": timed (engine.forge.machine); or a number
+    fast: str = "auto"  # batched passes in bfloat16 where the CPU does those far faster ("auto"), "off"
+    pays: bool = True  # measure the head against prompt lookup, suffix and the target alone at the end
+    pays_repeats: int = 1
+    pays_max_new_tokens: int = 64
+
+
+@dataclass
+class ForgeEvent:
+    phase: str  # load | data | vocab | train | export | pays | done
+    message: str
+    done: float = 0.0  # of this phase, 0-1
+    eta_s: float | None = None  # of the whole budget
+    metrics: dict = field(default_factory=dict)  # train: loss, acceptance per position; done: the result
+
+
+@dataclass
+class ForgeResult:
+    folder: str
+    timing: dict  # seconds per phase
+    data: dict
+    vocabulary: dict
+    training: dict
+    held_out: dict  # validation acceptance per position, expected accepted length, recommended gamma
+    pays: dict | None = None
+    card: str = ""
+
+
+class Budget:
+    """Wall-clock budget of a run, from its start; each phase's seconds recorded."""
+
+    def __init__(self, minutes: float):
+        self.start = time.perf_counter()
+        self.end = self.start + minutes * 60
+        self.spent: dict[str, float] = {}
+        self._phase, self._since = None, self.start
+
+    def phase(self, name: str) -> None:
+        now = time.perf_counter()
+        if self._phase:
+            self.spent[self._phase] = self.spent.get(self._phase, 0.0) + now - self._since
+        self._phase, self._since = name, now
+
+    def left(self) -> float:
+        return self.end - time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
+# --- prompts ------------------------------------------------------------------------------------------------------
+
+
+def prompt_sets(cfg: ForgeConfig):
+    """(train, val, held_out) PromptSets: held-out by the promptsets hash, validation by a second hash."""
+    from engine.measure import promptsets
+
+    found = promptsets.load(cfg.suite)
+    train_side, held = found.split(cfg.held_out, cfg.seed) if cfg.held_out else (found, found.narrowed([]))
+    inside = [i for i in train_side.items if not promptsets.is_held_out(i.id, VAL_SHARE, cfg.seed + 1)]
+    val = [i for i in train_side.items if promptsets.is_held_out(i.id, VAL_SHARE, cfg.seed + 1)]
+    if not val and len(inside) > 1:  # a validation set is needed: the last item then
+        val = inside[-1:]
+        inside = inside[:-1]
+    if not inside:
+        from engine.errors import UserError
+
+        raise UserError(f"{found.name} leaves no prompts to train on after the held-out share {cfg.held_out}: give "
+                        "more prompts or a smaller held-out share.")  # fmt: skip
+    return train_side.narrowed(inside, part="train"), train_side.narrowed(val, part="val"), held
+
+
+def _encoded(loaded, items, chat) -> list[tuple[str, list[int]]]:
+    from engine.decoding.runtime import encode_prompt
+
+    return [(i.id, encode_prompt(loaded.tokenizer, i.prompt, chat)) for i in items]
+
+
+# --- the pipeline -------------------------------------------------------------------------------------------------
+
+
+class Forge:
+    """One forge run's state, its phases as generator methods yielding ForgeEvents."""
+
+    def __init__(self, cfg: ForgeConfig, stop: threading.Event | None = None):
+        self.cfg, self.stop = cfg, stop or threading.Event()
+        self.out = Path(cfg.out)
+        self.budget = Budget(cfg.minutes)
+        self.state = self._read_state()
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+
+    # -- state on disk (resume) --
+    def _read_state(self) -> dict:
+        path = self.out / "forge-state.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def _write_state(self, **values) -> None:
+        self.state.update(values)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "forge-state.json").write_text(json.dumps(self.state, indent=1))
+
+    def eta(self) -> float:
+        return max(0.0, self.budget.left())
+
+    def event(self, phase: str, message: str, done: float = 0.0, **metrics) -> ForgeEvent:
+        return ForgeEvent(phase, message, done, self.eta(), metrics)
+
+    # -- 0. load --
+    def load(self) -> Iterator[ForgeEvent]:
+        from engine.forge.machine import choose
+        from engine.models.loading import MODELS
+
+        self.budget.phase("load")
+        yield self.event("load", f"loading {self.cfg.target}")
+        said: list[str] = []
+        # stock layers (pack=False): the forge reads the target's weights and runs batched passes, which the CPU
+        # layouts of engine.models.cpu are not made for; the final measurement loads the engine's own form
+        self.loaded = MODELS.get(self.cfg.target, self.cfg.dtype, self.cfg.device, said.append, pack=False)
+        model = self.loaded.model
+        text = model.config.get_text_config()
+        from engine.models.heads import eagle3_layers
+
+        self.layers = eagle3_layers(text.num_hidden_layers)
+        self.eos = D.eos_of(model, self.loaded.tokenizer)
+        self.chat = self.loaded.has_chat_template
+        threads = None if self.cfg.threads == "auto" else int(self.cfg.threads)
+        if threads:
+            torch.set_num_threads(threads)
+        self.machine = choose(text.hidden_size, self.loaded.device, self.loaded.dtype, self.cfg.fast != "off")
+        if threads:
+            torch.set_num_threads(threads)
+            self.machine.threads = threads
+        self.fast_model = model
+        if self.machine.fast_dtype != self.loaded.dtype:  # a 16-bit copy for the batched passes only
+            self.fast_model = copy.deepcopy(model).to(self.machine.fast_dtype)
+        yield self.event("load", f"{self.loaded.describe()}; {self.machine.describe()}", 1.0)
+
+    # -- 1. data --
+    def make_data(self) -> Iterator[ForgeEvent]:
+        cfg = self.cfg
+        folder = self.out / "data"
+        self.dataset = D.Dataset.read(folder) if folder.is_dir() else D.Dataset()
+        self.train_set, self.val_set, self.held_set = prompt_sets(cfg)
+        if self.state.get("data_done") and self.dataset.train:
+            self.budget.phase("data")
+            yield self.event("data", f"read {self.dataset.answer_tokens():,} answer tokens back from {folder}", 1.0)
+            return
+        self.budget.phase("data")
+        after_load = self.budget.left()
+        deadline = time.perf_counter() + max(10.0, cfg.data_share * after_load)
+        started = time.perf_counter()
+        made_before = self.dataset.answer_tokens() + self.dataset.answer_tokens("val")
+        for what in self._plan(deadline):
+            if self.stop.is_set() or time.perf_counter() > deadline:
+                break
+            split, batch = what
+            sequences = D.generate(self.fast_model, batch, self.layers, self.eos, self.generator, deadline)
+            D.write_shard(folder, self.dataset.shards, sequences, split)
+            self.dataset.shards += 1
+            self.dataset.add(split, sequences)
+            if batch.source == "variation-prompt":
+                continue
+            made = self.dataset.answer_tokens() + self.dataset.answer_tokens("val") - made_before
+            rate = made / max(time.perf_counter() - started, 1e-6)
+            share = min(1.0, (time.perf_counter() - started) / max(deadline - started, 1e-6))
+            yield self.event("data", f"{made:,} answer tokens ({rate:.0f}/s), {len(self.dataset.train)} train and "
+                             f"{len(self.dataset.val)} validation answers", share, tokens=made, rate=rate)  # fmt: skip
+        self._write_state(data_done=True, data_tokens=self.dataset.answer_tokens())
+
+    def _plan(self, deadline: float) -> Iterator[tuple[str, D.Batch]]:
+        """Validation answers first (small), then greedy and sampled answers to the training prompts, then rounds of
+        new prompts the target writes (each round answered greedily and sampled)."""
+        cfg = self.cfg
+        train = _encoded(self.loaded, self.train_set.items, self.chat)
+        val = _encoded(self.loaded, self.val_set.items, self.chat)
+        size, n = cfg.batch_size, cfg.max_new_tokens
+        if not any(True for _ in self.dataset.val):
+            for b in D.batches(val, size, 0.0, n, "greedy"):
+                yield "val", b
+        for b in D.batches(train, size, 0.0, n, "greedy"):
+            yield "train", b
+        for b in D.batches(train, size, cfg.temperature, n, "sampled"):
+            yield "train", b
+        seen = {" ".join(i.prompt.lower().split()) for i in self.train_set.items + self.val_set.items}
+        sources = [i.prompt for i in self.train_set.items]
+        rounds = 0
+        while cfg.variations and rounds < 50 and time.perf_counter() < deadline and not self.stop.is_set():
+            rounds += 1
+            yield from self._variations(sources, seen, rounds, deadline)
+
+    def _variations(self, sources: list[str], seen: set[str], round_: int,
+                    deadline: float) -> Iterator[tuple[str, D.Batch]]:  # fmt: skip
+        from engine.decoding.runtime import encode_prompt
+        from engine.measure.promptsets import is_held_out
+
+        cfg, tok = self.cfg, self.loaded.tokenizer
+        rng = random.Random(cfg.seed * 1000 + round_)
+        chosen = rng.sample(sources, min(len(sources), cfg.batch_size))
+        asks = [(f"ask-{round_}-{i}", encode_prompt(tok, D.VARIATION.format(prompt=p), self.chat))
+                for i, p in enumerate(chosen)]  # fmt: skip
+        new: list[tuple[str, list[int]]] = []
+        for b in D.batches(asks, cfg.batch_size, 1.0, min(160, cfg.max_new_tokens), "variation"):
+            sequences = D.generate(self.fast_model, b, self.layers, self.eos, self.generator, deadline)
+            for text in D.texts(tok, sequences, self.eos):
+                if D.usable_variation(text, seen):
+                    new.append((D.prompt_id(text), encode_prompt(tok, text, self.chat)))
+            sources.extend(t for t in D.texts(tok, sequences, self.eos) if len(t) >= 15)
+        val = [p for p in new if is_held_out(p[0], VAL_SHARE, cfg.seed + 1)]
+        train = [p for p in new if not is_held_out(p[0], VAL_SHARE, cfg.seed + 1)]
+        for b in D.batches(val, cfg.batch_size, 0.0, cfg.max_new_tokens, "variation"):
+            yield "val", b
+        for temperature in (0.0, cfg.temperature):
+            for b in D.batches(train, cfg.batch_size, temperature, cfg.max_new_tokens, "variation"):
+                yield "train", b
+
+    # -- 2. vocabulary --
+    def vocabulary(self) -> Iterator[ForgeEvent]:
+        self.budget.phase("vocab")
+        vocab_size = self.loaded.model.config.get_text_config().vocab_size
+        counts = T.label_counts(self.dataset.train, vocab_size)
+        saved = self.out / "checkpoint" / "vocab.pt"
+        if saved.is_file():
+            self.ids = torch.load(saved, weights_only=True)
+        else:
+            self.ids = T.draft_vocabulary(counts, self.cfg.coverage)
+        val_counts = T.label_counts(self.dataset.val, vocab_size)
+        self.vocab = {"size": int(self.ids.numel()), "target_vocabulary": vocab_size,
+                      "train_coverage": T.covered(counts, self.ids),
+                      "val_coverage": T.covered(val_counts, self.ids)}  # fmt: skip
+        yield self.event("vocab", f"draft vocabulary {self.vocab['size']:,} of {vocab_size:,} tokens: covers "
+                         f"{self.vocab['train_coverage']:.1%} of training labels, {self.vocab['val_coverage']:.1%} "
+                         "of validation labels", 1.0, **self.vocab)  # fmt: skip
+
+    # -- 3. training --
+    def training(self, reserve_s: float) -> Iterator[ForgeEvent]:
+        from engine.forge.loop import Trainer
+
+        self.budget.phase("train")
+        seconds = max(5.0, self.budget.left() - reserve_s)
+        trainer = Trainer(self.loaded.model, self.ids, self.dataset, self.cfg, self.out / "checkpoint",
+                          self.machine.fast_dtype, self.stop)  # fmt: skip
+        for update in trainer.run(seconds):
+            yield self.event("train", update.pop("message"), update.pop("done"), **update)
+        self.trainer = trainer
+
+    # -- 4. export --
+    def export(self) -> Iterator[ForgeEvent]:
+        from engine.forge.export import write
+
+        self.budget.phase("export")
+        head = self.trainer.best_head()
+        self.head = head
+        self.budget.phase("")
+        self.summary = self._summary()
+        write(head, self.out, self.loaded, self.summary)
+        yield self.event("export", f"wrote {self.out} (speculators layout, README.md)", 1.0)
+
+    def _summary(self) -> dict:
+        from engine.models.cpu import cpu_name
+
+        spent = {k: round(v, 1) for k, v in self.budget.spent.items() if k}
+        return {
+            "target": self.cfg.target, "origin": self.loaded.origin, "revision": _revision(self.loaded),
+            "machine": cpu_name() if self.loaded.device.type == "cpu" else str(self.loaded.device),
+            "machine_choice": self.machine.describe(), "config": asdict(self.cfg), "timing": spent,
+            "wall_s": round(sum(spent.values()), 1),
+            "prompts": {"train": len(self.train_set), "val": len(self.val_set), "held_out": len(self.held_set),
+                        "held_out_ids": [i.id for i in self.held_set.items], "source": self.train_set.name,
+                        "fingerprint": self.train_set.fingerprint},
+            "data": {"train_answers": len(self.dataset.train), "val_answers": len(self.dataset.val),
+                     "train_answer_tokens": self.dataset.answer_tokens(),
+                     "val_answer_tokens": self.dataset.answer_tokens("val"),
+                     "sources": _sources(self.dataset.train), "bytes": self.dataset.bytes()},
+            "vocabulary": self.vocab, "training": self.trainer.report(),
+        }  # fmt: skip
+
+    # -- 5. does it pay --
+    def pays(self) -> Iterator[ForgeEvent]:
+        from engine.forge.pays import measure
+
+        if not self.cfg.pays or not self.held_set.items:
+            return
+        yield self.event("pays", f"measuring on {len(self.held_set)} held-out prompts: the head against prompt lookup, "
+                         "suffix and the target alone")  # fmt: skip
+        started = time.perf_counter()
+        updates: list[str] = []
+        result = measure(self.cfg, self.held_set, self.summary, lambda d, t, w: updates.append(f"{d}/{t} {w}"),
+                         self.stop)  # fmt: skip
+        result["wall_s"] = round(time.perf_counter() - started, 1)
+        self.summary["pays"] = result
+        from engine.forge.export import write_card
+
+        write_card(self.out, self.summary)
+        yield self.event("pays", result["verdict"], 1.0, **{"pays": result})
+
+    def run(self) -> Iterator[ForgeEvent]:
+        yield from self.load()
+        yield from self.make_data()
+        if not self.dataset.train:
+            yield self.event("done", "no training data was made within the budget: give it more minutes.", 1.0)
+            return
+        yield from self.vocabulary()
+        yield from self.training(reserve_s=max(5.0, 0.02 * self.cfg.minutes * 60))
+        yield from self.export()
+        yield from self.pays()
+        (self.out / "forge-report.json").write_text(json.dumps(self.summary, indent=1, default=str))
+        yield self.event("done", f"forged {self.out} in {self.summary['wall_s']:.0f} s", 1.0, result=self.summary)
+
+
+def _revision(loaded) -> str:
+    """The target's commit where the Hub gave one (a snapshot folder's name), else its folder."""
+    path = getattr(loaded.model, "name_or_path", "") or ""
+    parts = Path(path).parts
+    if "snapshots" in parts:
+        return parts[parts.index("snapshots") + 1]
+    return path
+
+
+def _sources(sequences: list[D.Sequence]) -> dict:
+    out: dict[str, int] = {}
+    for s in sequences:
+        out[s.source] = out.get(s.source, 0) + len(s.tokens) - s.prompt_len
+    return out
+
+
+def forge_events(cfg: ForgeConfig, stop: threading.Event | None = None) -> Iterator[ForgeEvent]:
+    """The forge as events: what the CLI prints and the Lab shows. The last event's metrics["result"] (phase "done")
+    is the run's summary, also written to DIR/forge-report.json."""
+    threads = torch.get_num_threads()
+    try:
+        yield from Forge(cfg, stop).run()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def forge(cfg: ForgeConfig, progress=lambda event: None, stop: threading.Event | None = None) -> dict:
+    """Run the forge to the end; `progress` gets every ForgeEvent. Returns the summary (forge-report.json)."""
+    result: dict = {}
+    for event in forge_events(cfg, stop):
+        progress(event)
+        if event.phase == "done":
+            result = event.metrics.get("result", {})
+    return result
+
+
+def expected_length(alphas: list[float]) -> float:
+    """Tokens per verify pass of a greedy chain of len(alphas) drafts with per-position acceptance alphas."""
+    total, survive = 1.0, 1.0
+    for a in alphas:
+        survive *= a
+        total += survive
+    return total
+
+
+def isfinite(x: float) -> bool:
+    return math.isfinite(x)

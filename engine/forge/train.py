@@ -1,0 +1,235 @@
+"""Training an EAGLE-3 head: the draft vocabulary, the starting weights, the train-time-test forward and its loss.
+
+Train-time test (EAGLE-3; HASS). At inference the head drafts k tokens from the last real row t: step 0 reads the
+target's feature g_t with the embedding of x_{t+1}; step k reads its own previous output h (before the final norm)
+with the embedding of the token it drafted, one position further on, attending over the real rows 0..t and its own
+earlier steps from t (engine.decoding.heads.Head.eagle3; rows built from its own guesses are cropped before the next
+proposal). `ttt_forward` runs every anchor t of a batch of sequences at once, for `steps` steps: step k's row for
+anchor t sits at position t+k, attends causally over the real rows' keys (step 0) and over its own chain's keys of
+steps 1..k (one key per step: a diagonal), and is fed the teacher's token x_{t+k+1} (a draft token is only worth
+anything when it was the target's, so the chain is trained on the target's tokens). The weights are the Head's own
+modules, so what trains is exactly what Head.eagle3 runs; tests/test_forge.py checks both forwards agree.
+
+Loss: soft cross-entropy against the target's distribution (its top-k, renormalised over the draft vocabulary), per
+step weighted 0.8^k (SafeAILab), rows whose target argmax lies outside the draft vocabulary left out.
+
+Draft vocabulary: the target tokens most frequent among the labels, enough to cover `coverage` of them (d2t maps
+draft id -> target id; vLLM and llama.cpp give q = 0 elsewhere). The LM head rows start as the target's own.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.decoding.heads import Head, rope
+from engine.forge.data import Sequence
+
+STEP_DECAY = 0.8  # loss weight of TTT step k: 0.8^k
+
+
+# --- vocabulary -----------------------------------------------------------------------------------------------------
+
+
+def label_counts(sequences: list[Sequence], vocab_size: int) -> torch.Tensor:
+    """How often each target token is the target's own choice (top-1 label) at an answer position."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for s in sequences:
+        top = s.top_ids[s.prompt_len - 1 :, 0].long()
+        counts += torch.bincount(top, minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def draft_vocabulary(counts: torch.Tensor, coverage: float = 0.97, most: int = 32768) -> torch.Tensor:
+    """Sorted target ids of the draft vocabulary: the most frequent first until `coverage` of the counted labels
+    (ties by id, as speculators does), rounded up to a multiple of 256 (32 for small vocabularies), at least an
+    eighth of the vocabulary up to 1024 ids, the rest filled with the lowest unused ids."""
+    vocab = counts.numel()
+    multiple, least = (256 if vocab >= 16384 else 32), min(1024, vocab // 8)
+    order = sorted(range(vocab), key=lambda i: (-int(counts[i]), i))
+    total = int(counts.sum())
+    if total == 0:
+        size = min(vocab, least)
+    else:
+        running = torch.cumsum(counts[torch.tensor(order)], 0)
+        size = int(torch.searchsorted(running, torch.tensor(math.ceil(coverage * total)))) + 1
+        size = min(vocab, max(least, min(most, -(-size // multiple) * multiple)))
+    return torch.tensor(sorted(order[:size]), dtype=torch.long)
+
+
+def covered(counts: torch.Tensor, ids: torch.Tensor) -> float:
+    total = int(counts.sum())
+    return float(counts[ids].sum()) / total if total else 0.0
+
+
+# --- the head's starting point ------------------------------------------------------------------------------------
+
+
+def start_head(target, ids: torch.Tensor, init: str = "target", seed: int = 0) -> Head:
+    """A trainable EAGLE-3 head for `target` over the draft vocabulary `ids`: the target's embedding (frozen, shared)
+    and its LM head rows (a copy, frozen as speculators does); with init="target" the layer's weights start as the
+    target's last decoder layer (q/k/v read both halves, so each half gets that layer's projection at half scale),
+    fc passes the deepest feature through, and the final norm is the target's."""
+    from engine.models.heads import random_head
+
+    head = random_head(target, "eagle3", draft_vocab=ids.numel(), seed=seed, norm_before_residual=True)
+    p = next(target.parameters())
+    ids = ids.to(p.device)
+    head.lm_head.weight.data = target.get_output_embeddings().weight[ids].detach().clone()
+    head.d2t = None if ids.numel() == head.config.vocab_size else ids
+    if init == "target":
+        _from_target(head, target)
+    head.train()
+    for name, param in head.named_parameters():
+        param.requires_grad_(not name.startswith(("embed_tokens.", "lm_head.")))
+    return head
+
+
+def _from_target(head: Head, target) -> None:
+    c, layer = head.config, head.layers[0]
+    src = target.model.layers[-1]
+    hidden = c.hidden_size
+    with torch.no_grad():
+        for name in ("q_proj", "k_proj", "v_proj"):
+            w = getattr(src.self_attn, name).weight
+            getattr(layer.self_attn, name).weight.copy_(torch.cat([w, w], 1) * 0.5)
+        layer.self_attn.o_proj.weight.copy_(src.self_attn.o_proj.weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(layer.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
+        layer.input_layernorm.weight.copy_(src.input_layernorm.weight)
+        layer.hidden_norm.weight.copy_(src.input_layernorm.weight)
+        layer.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
+        head.norm.weight.copy_(target.model.norm.weight)
+        fc = torch.zeros_like(head.fc.weight)
+        fc[:, -hidden:] = torch.eye(hidden)
+        head.fc.weight.copy_(fc + torch.randn_like(fc) * 0.01 / math.sqrt(fc.shape[1]))
+
+
+# --- the train-time-test forward ----------------------------------------------------------------------------------
+
+
+def _split(layer, x: torch.Tensor, proj: nn.Linear, heads: int) -> torch.Tensor:
+    """(B, T, width) -> (B, heads, T, D)."""
+    b, t, _ = x.shape
+    return proj(x).view(b, t, heads, layer.head_dim).transpose(1, 2)
+
+
+def ttt_forward(head: Head, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Draft-vocabulary logits of every anchor row for TTT steps 0..steps-1: a list of (B, T, Vd).
+
+    tokens (B, T + steps) with tokens[:, t] = x_{t+1} (the sequence shifted by one, padded), features (B, T, F) =
+    g_t. Step k's row t reads tokens[:, t + k] and sits at position t + k (see the module docstring)."""
+    c, layer = head.config, head.layers[0]
+    b, t, _ = features.shape
+    scale = layer.head_dim**-0.5
+    groups = c.num_heads // c.num_kv_heads
+    x = head.fuse(features)  # (B, T, H)
+    keys0 = values0 = None
+    chain: list[tuple[torch.Tensor, torch.Tensor]] = []  # steps >= 1: (keys, values), (B, KV, T, D)
+    causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+    out = []
+    for k in range(steps):
+        cos, sin = head.rotary(k, t, x.dtype)  # row t at position t + k
+        e = head.embed_tokens(tokens[:, k : k + t])  # (B, T, H)
+        normed = layer.hidden_norm(x)
+        residual = normed if c.norm_before_residual else x
+        inp = torch.cat((layer.input_layernorm(e), normed), -1)  # (B, T, 2H)
+        q = rope(_split(layer, inp, layer.self_attn.q_proj, c.num_heads), cos, sin)
+        key = rope(_split(layer, inp, layer.self_attn.k_proj, c.num_kv_heads), cos, sin)
+        value = _split(layer, inp, layer.self_attn.v_proj, c.num_kv_heads)
+        if k == 0:
+            keys0, values0 = key, value
+        else:
+            chain.append((key, value))
+        k0, v0 = keys0.repeat_interleave(groups, 1), values0.repeat_interleave(groups, 1)  # (B, heads, T, D)
+        scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]  # (B, heads, T, T)
+        own = [(kc.repeat_interleave(groups, 1), vc.repeat_interleave(groups, 1)) for kc, vc in chain]
+        scores += [(q * kc).sum(-1, keepdim=True) * scale for kc, _ in own]  # (B, heads, T, 1) each
+        weights = torch.softmax(torch.cat(scores, -1).float(), -1).to(q.dtype)
+        attended = weights[..., :t] @ v0
+        for j, (_, vc) in enumerate(own):
+            attended = attended + weights[..., t + j : t + j + 1] * vc
+        h = residual + layer.self_attn.o_proj(attended.transpose(1, 2).reshape(b, t, -1))
+        normed2 = layer.post_attention_layernorm(h)
+        m = layer.mlp
+        h = h + m.down_proj(layer.act(m.gate_proj(normed2)) * m.up_proj(normed2))
+        final = head.norm(h)
+        out.append(head.lm_head(final))
+        x = final if c.norm_output else h
+    return out
+
+
+# --- batches and the loss -----------------------------------------------------------------------------------------
+
+
+def to_draft_ids(vocab_size: int, ids: torch.Tensor | None) -> torch.Tensor:
+    """target id -> draft id, -1 outside the draft vocabulary."""
+    t2d = torch.full((vocab_size,), -1, dtype=torch.long)
+    if ids is None:
+        return torch.arange(vocab_size)
+    t2d[ids.cpu()] = torch.arange(ids.numel())
+    return t2d
+
+
+def collate(sequences: list[Sequence], steps: int, t2d: torch.Tensor, dtype: torch.dtype) -> dict:
+    """Padded tensors for ttt_forward and the loss: per row t, the label of step k is the target's distribution at
+    position t + k + 1, over the draft vocabulary."""
+    rows = max(len(s.tokens) - 1 for s in sequences)
+    b = len(sequences)
+    width = sequences[0].features.shape[1]
+    tokens = torch.zeros((b, rows + steps), dtype=torch.long)
+    features = torch.zeros((b, rows, width), dtype=dtype)
+    label_ids = torch.full((b, rows + steps, sequences[0].top_ids.shape[1]), -1, dtype=torch.long)
+    label_p = torch.zeros((b, rows + steps, sequences[0].top_ids.shape[1]), dtype=torch.float32)
+    for i, s in enumerate(sequences):
+        n = len(s.tokens)
+        tokens[i, : n - 1] = torch.tensor(s.tokens[1:])
+        features[i, : n - 1] = s.features.to(dtype)
+        # row j of the labels: the distribution at position j + 1 (of x_{j+2}); valid from the prompt's end
+        first = max(s.prompt_len - 2, 0)
+        label_ids[i, first : n - 2] = t2d[s.top_ids[first + 1 : n - 1].long()]
+        label_p[i, first : n - 2] = s.top_p[first + 1 : n - 1].float()
+    return {"tokens": tokens, "features": features, "label_ids": label_ids, "label_p": label_p, "rows": rows}
+
+
+def step_loss(logits: torch.Tensor, label_ids: torch.Tensor, label_p: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Soft cross-entropy of one TTT step over its valid rows, and the counts for accuracy.
+    logits (B, T, Vd); label_ids / label_p (B, T, K) (draft ids, -1 outside; probabilities)."""
+    valid = label_ids[..., 0] >= 0  # the target's argmax is in the draft vocabulary
+    p = label_p * (label_ids >= 0)
+    p = p / p.sum(-1, keepdim=True).clamp(min=1e-9)
+    logq = F.log_softmax(logits.float(), -1)
+    picked = logq.gather(-1, label_ids.clamp(min=0))  # (B, T, K)
+    per_row = -(p * picked).sum(-1)
+    n = int(valid.sum())
+    loss = (per_row * valid).sum() / max(n, 1)
+    hits = (logits.argmax(-1) == label_ids[..., 0]) & valid
+    return loss, {"rows": n, "hits": int(hits.sum()), "hit_mask": hits, "valid": valid}
+
+
+def batch_loss(head: Head, batch: dict, steps: int) -> tuple[torch.Tensor, list[dict]]:
+    t = batch["rows"]
+    outs = ttt_forward(head, batch["tokens"], batch["features"], steps)
+    total, stats = 0.0, []
+    for k, logits in enumerate(outs):
+        loss, s = step_loss(logits, batch["label_ids"][:, k : k + t], batch["label_p"][:, k : k + t])
+        total = total + STEP_DECAY**k * loss
+        stats.append(s | {"loss": loss.item()})
+    return total / sum(STEP_DECAY**k for k in range(steps)), stats
+
+
+def chain_acceptance(stats: list[dict]) -> list[float]:
+    """Greedy acceptance per draft position as the loop sees it: step k counts where steps 0..k-1 were all right
+    (a chain breaks at its first miss), over rows where the label exists."""
+    alive = None
+    out = []
+    for s in stats:
+        hit, valid = s["hit_mask"], s["valid"]
+        base = valid if alive is None else (alive & valid)
+        reached = int(base.sum())
+        out.append(int((hit & base).sum()) / reached if reached else 0.0)
+        alive = hit & base
+    return out

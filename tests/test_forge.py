@@ -1,0 +1,139 @@
+"""The forge (engine.forge) on a tiny random Llama: the training forward is the inference forward, the vocabulary
+mapping, and a 20-second forge that loads, runs lossless, never trains on held-out prompts, and resumes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.decoding.heads import HeadCache
+from engine.forge import train as T
+from tests.conftest import byte_tokenizer, tiny_llama
+
+
+def _head(target, draft: int = 192):
+    head = T.start_head(target, torch.arange(0, 2 * draft, 2), "target", seed=0)
+    with torch.no_grad():  # away from the starting point, so the check is not about an identity
+        for p in head.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.02)
+    return head.eval()
+
+
+@pytest.mark.parametrize("norm_before_residual", [True, False])
+def test_training_forward_is_the_inference_forward(norm_before_residual):
+    """Step 0 of ttt_forward = Head.eagle3 over the real rows; step k = the head fed its own state k times, as the
+    drafter does (engine.decoding.heads.Eagle3.propose)."""
+    target = tiny_llama(layers=6)
+    head = _head(target)
+    head.config.norm_before_residual = norm_before_residual
+    n, steps = 14, 4
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 384, (n,), generator=gen)
+    features = torch.randn(n - 1, head.config.feature_size, generator=gen)
+    shifted = torch.zeros(1, n - 1 + steps, dtype=torch.long)
+    shifted[0, : n - 1] = tokens[1:]
+    c = head.config
+    with torch.no_grad():
+        trained = T.ttt_forward(head, shifted, features[None], steps)
+        for t in range(n - 1 - steps):
+            cache = HeadCache(1, c.num_kv_heads, c.head_dim, torch.float32, "cpu", 64)
+            state, logits = head.eagle3(tokens[1 : t + 2], head.fuse(features[: t + 1]), cache)
+            torch.testing.assert_close(logits[-1], trained[0][0, t], atol=1e-4, rtol=1e-4)
+            for k in range(1, steps):
+                state, logits = head.eagle3(tokens[t + k + 1 : t + k + 2], state[-1:], cache)
+                torch.testing.assert_close(logits[-1], trained[k][0, t], atol=1e-4, rtol=1e-4)
+
+
+def test_a_batch_of_sequences_gives_each_its_own_logits():
+    """Padding a shorter sequence into a batch changes none of its rows (causal attention, padding at the end)."""
+    target = tiny_llama(layers=6)
+    head = _head(target)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 384, (2, 12), generator=gen)
+    features = torch.randn(2, 10, head.config.feature_size, generator=gen)
+    with torch.no_grad():
+        both = T.ttt_forward(head, tokens, features, 2)
+        alone = T.ttt_forward(head, tokens[1:, :8], features[1:, :6], 2)
+    torch.testing.assert_close(both[0][1, :6], alone[0][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(both[1][1, :5], alone[1][0, :5], atol=1e-5, rtol=1e-5)
+
+
+def test_the_draft_vocabulary_covers_the_labels_and_maps_both_ways():
+    counts = torch.zeros(4000, dtype=torch.int64)
+    counts[:3000] = torch.arange(3000, 0, -1) ** 2  # a steep, Zipf-like use of the first 3000 ids
+    ids = T.draft_vocabulary(counts, coverage=0.95)
+    assert T.covered(counts, ids) >= 0.95
+    assert ids.numel() % 32 == 0 and ids.numel() < 3000
+    assert torch.equal(ids, ids.sort().values)
+    t2d = T.to_draft_ids(4000, ids)
+    assert torch.equal(ids[t2d[ids]], ids)  # draft -> target -> draft
+    assert int((t2d >= 0).sum()) == ids.numel()
+
+
+@pytest.fixture(scope="module")
+def forged(model_dirs, tmp_path_factory):
+    """A 20-second forge of a 6-layer tiny Llama on 40 prompts, its events and summary."""
+    from engine.forge import ForgeConfig, forge
+
+    root = Path(model_dirs["target"]).parent  # SPECARENA_MODELS_DIR: the app may read local models from here
+    folder = root / "forge-target"
+    if not folder.is_dir():
+        tiny_llama(layers=6).save_pretrained(folder)
+        byte_tokenizer().save_pretrained(folder)
+    prompts = tmp_path_factory.mktemp("forge") / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Say something about thing {i} please."}) + "\n"
+                               for i in range(40)))  # fmt: skip
+    out = tmp_path_factory.mktemp("forge") / "head"
+    cfg = ForgeConfig(target=str(folder), out=str(out), suite=str(prompts), minutes=20 / 60, batch_size=16,
+                      max_new_tokens=16, steps=2, threads="1", fast="off", pays=True, pays_max_new_tokens=16)  # fmt: skip
+    events = []
+    summary = forge(cfg, events.append)
+    return cfg, events, summary
+
+
+def test_a_forged_head_loads_and_runs_lossless(forged):
+    from engine.models.heads import load_head
+    from engine.models.loading import MODELS
+
+    cfg, events, summary = forged
+    assert {e.phase for e in events} >= {"load", "data", "vocab", "train", "export", "pays", "done"}
+    target = MODELS.get(cfg.target, "float32", "cpu")
+    head = load_head(cfg.out, target.model)
+    ids = torch.load(Path(cfg.out) / "checkpoint" / "vocab.pt")
+    assert torch.equal(head.d2t, ids)  # the draft vocabulary, as written and read back
+    config = json.loads((Path(cfg.out) / "config.json").read_text())
+    assert config["norm_before_residual"] is True and config["norm_before_fc"] is False
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]
+    rows = [r for r in summary["pays"]["rows"] if r["drafter"] == "eagle3"]
+    assert rows and all(r["identical"] is True for r in rows)  # greedy ids == the baseline's
+    card = (Path(cfg.out) / "README.md").read_text()
+    assert "Held-out acceptance" in card and summary["machine"] in card
+
+
+def test_held_out_prompts_are_never_generated_on(forged):
+    from engine.forge.data import Dataset
+
+    cfg, _, summary = forged
+    held = set(summary["prompts"]["held_out_ids"])
+    assert held and summary["prompts"]["held_out"] == len(held)
+    data = Dataset.read(Path(cfg.out) / "data")
+    seen_train = {s.prompt_id for s in data.train}
+    seen_val = {s.prompt_id for s in data.val}
+    assert not (held & (seen_train | seen_val))
+    assert not (seen_train & seen_val)  # validation answers are not trained on either
+    vocab = summary["vocabulary"]
+    assert vocab["train_coverage"] >= 0.97 and vocab["size"] < vocab["target_vocabulary"]
+
+
+def test_a_forge_resumes_from_its_folder(forged):
+    from engine.forge import forge
+
+    cfg, _, first = forged
+    again = forge(type(cfg)(**{**cfg.__dict__, "minutes": 10 / 60, "pays": False}))
+    assert again["training"]["resumed"] is True
+    assert again["training"]["steps"] > first["training"]["steps"]
+    assert again["data"]["train_answer_tokens"] == first["data"]["train_answer_tokens"]  # read back, not remade
