@@ -114,12 +114,18 @@ class PromptSet:
             return self
         if per_category < 1:
             raise UserError(f"prompts per category {per_category} is out of range: use 1 or more.")
-        keep: set[int] = set()
-        for items in self.by_category().values():
-            chosen = items[:per_category] if seed is None else random.Random(seed).sample(items, min(per_category,
-                                                                                                    len(items)))
-            keep |= {id(i) for i in chosen}
-        return self.narrowed([i for i in self.items if id(i) in keep], per_category=per_category, seed=seed)
+        keep: set[int] = set()  # positions in self.items
+        for positions in self._positions_by_category().values():
+            n = min(per_category, len(positions))
+            keep |= set(positions[:n] if seed is None else random.Random(seed).sample(positions, n))
+        kept = [item for k, item in enumerate(self.items) if k in keep]
+        return self.narrowed(kept, per_category=per_category, seed=seed)
+
+    def _positions_by_category(self) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for k, item in enumerate(self.items):
+            out.setdefault(item.category, []).append(k)
+        return out
 
     def split(self, held_out: float, seed: int | None = None) -> tuple["PromptSet", "PromptSet"]:
         """(train, held_out): each item's side decided by its id and the seed alone (is_held_out)."""

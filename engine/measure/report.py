@@ -167,7 +167,8 @@ def prompt_set_line(report: dict) -> str:
                    f"(seed {sel.get('split_seed', 0)})")  # fmt: skip
     if sel.get("categories"):
         how.append("categories " + ", ".join(sel["categories"]))
-    skipped = f"; {len(p['skipped'])} skipped" if p.get("skipped") else ""
+    said = [f"{k['where']}: {k['why'] if len(k['why']) <= 80 else k['why'][:79] + '…'}" for k in p.get("skipped", [])]
+    skipped = f"; {len(said)} skipped ({'; '.join(said[:3])}{'; …' if len(said) > 3 else ''})" if said else ""
     return (f"Prompt set: {p['name']} ({p['fingerprint']}), {p['items']} prompt(s), {p['turns']} turn(s) in "
             f"{len(p['categories'])} categories" + (f"; {'; '.join(how)}" if how else "") + skipped + ".")
 
