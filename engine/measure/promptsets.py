@@ -402,6 +402,8 @@ def load(selection: str | list[str] | None = None) -> PromptSet:
     (org/name[@revision][:split or file])."""
     if isinstance(selection, str) and Path(selection).expanduser().is_file():
         return read_file(Path(selection).expanduser())
+    if isinstance(selection, str) and ":" not in selection and selection.lower().endswith(DATA_SUFFIXES):
+        raise UserError(f"prompts file {selection!r} does not exist.")  # a path, not a Hub dataset's id
     names = selection.split(",") if isinstance(selection, str) else selection or []
     names = [n.strip() for n in names if n.strip()]
     suite = task_suite()
