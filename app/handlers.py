@@ -310,7 +310,7 @@ def check_pair(**form):
         draft = s.draft if s.uses_draft else None
         if s.backend == "llama.cpp":
             return markdown(diagnose_gguf(s.target, draft))
-        return markdown(diagnose(s.target, draft, s.dtype, tokens=s.max_new_tokens + 1024))
+        return markdown(diagnose(s.target, draft, s.dtype, tokens=s.max_new_tokens + 1024, head=s.uses_head))
     except UserError as exc:
         return f"❌ {exc}"
     except Exception as exc:  # noqa: BLE001 - a broken config must not take the app down

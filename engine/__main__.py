@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from engine.errors import UserError
-from engine.settings import BACKENDS, BUNDLED, DRAFTERS, STRICT
+from engine.settings import BACKENDS, BUNDLED, DRAFTERS, HEADS, STRICT
 
 
 def add_pair_args(p: argparse.ArgumentParser) -> None:
@@ -24,7 +24,8 @@ def add_pair_args(p: argparse.ArgumentParser) -> None:
         help="draft model (same vocabulary as the target); implies --drafter draft-model. With --drafter synthetic, "
         "its passes run for their cost and its tokens are not used",
     )
-    p.add_argument("--drafter", choices=DRAFTERS, help="default: prompt-lookup; eagle3, mtp: --backend vllm; "
+    p.add_argument("--drafter", choices=DRAFTERS, help="default: prompt-lookup; eagle3, dflash: a draft head "
+                   "(folder or Hub id) in --draft; mtp: --backend vllm; "
                    "ngram-mod, ngram-map-k: --backend llama.cpp")
     p.add_argument("--backend", choices=BACKENDS, default="transformers",
                    help="transformers: this process (default); vllm: vLLM servers (SPECARENA_VLLM_PYTHON or URLs); "
@@ -416,7 +417,7 @@ def cmd_doctor(args) -> int:
     if args.backend == "llama.cpp":
         report = diagnose_gguf(args.target, args.draft)
     else:
-        report = diagnose(args.target, args.draft, args.dtype, args.device, args.tokens)
+        report = diagnose(args.target, args.draft, args.dtype, args.device, args.tokens, head=args.drafter in HEADS)
     print(json.dumps(report) if args.json else markdown(report).replace("**", ""))
     return 1 if report["verdict"] == "fail" else 0
 

@@ -17,10 +17,12 @@ from engine.errors import UserError
 
 BUNDLED = "bundled:smollm2-135m-instruct"
 MAX_GAMMA = 16  # the longest draft: the UI's bound, adaptive gamma's ceiling, the predictor's range
-VLLM_ONLY = ("eagle3", "mtp")  # methods vLLM ships and the in-process engine lacks
+HEADS = ("eagle3", "dflash")  # draft heads over the target's hidden states: every backend runs them
+VLLM_ONLY = ("mtp",)  # methods vLLM ships and the in-process engine lacks
 LLAMA_ONLY = ("ngram-mod", "ngram-map-k")  # llama.cpp's own n-gram drafters
-DRAFTERS = ("draft-model", "prompt-lookup", "suffix", "synthetic") + VLLM_ONLY + LLAMA_ONLY
-TAKES_DRAFT = ("draft-model", "synthetic", "eagle3")  # use a named draft model (synthetic: for its cost)
+DRAFTERS = ("draft-model", "prompt-lookup", "suffix", "synthetic") + HEADS + VLLM_ONLY + LLAMA_ONLY
+TAKES_DRAFT = ("draft-model", "synthetic") + HEADS  # use a named draft model or head (synthetic: for its cost)
+HEAD_NAMES = {"eagle3": "EAGLE-3 head", "dflash": "DFlash head"}
 BACKENDS = ("transformers", "vllm", "llama.cpp")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 STRICT = ("auto", "on", "off")  # strict mode: every target pass at one width (engine.decoding.runtime.forward)
@@ -49,7 +51,7 @@ def max_new_tokens_cap() -> int:
 class Settings:
     target: str = BUNDLED
     drafter: str = "prompt-lookup"
-    draft: str = ""  # the draft-model drafter's model, or the one whose cost the synthetic drafter pays
+    draft: str = ""  # the draft-model drafter's model, a head's folder or Hub id, or the synthetic drafter's pace
     gamma: int = 4  # draft tokens per step; with `adaptive`, the draft model's first length
     max_new_tokens: int = 128
     temperature: float = 0.0  # 0 = greedy
@@ -76,8 +78,13 @@ class Settings:
 
     @property
     def uses_draft(self) -> bool:
-        """A draft model is loaded: to draft, or to pace the synthetic drafter at its real cost."""
+        """A draft model or head is loaded: to draft, or to pace the synthetic drafter at its real cost."""
         return self.drafter in TAKES_DRAFT and bool(self.draft.strip())
+
+    @property
+    def uses_head(self) -> bool:
+        """The draft is a head over the target's hidden states (engine.decoding.heads), not a model of its own."""
+        return self.drafter in HEADS and bool(self.draft.strip())
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -108,6 +115,10 @@ class Settings:
             bad("target", "is empty: name a Hub id (org/name), a local folder, or " + BUNDLED + ".")
         if self.drafter == "draft-model" and not self.draft.strip():
             bad("draft", "is empty, and the draft-model drafter needs one: name it, or pick prompt lookup.")
+        if self.drafter in HEADS and not self.draft.strip():
+            raise UserError(f"the {HEAD_NAMES[self.drafter]} drafter needs a head: name its folder or Hub id in the "
+                            "draft field (a preset fills it), or forge one with `python -m engine forge`.",
+                            field="draft")  # fmt: skip
         if not 1 <= self.gamma <= MAX_GAMMA:
             bad("gamma", f"{self.gamma} is out of range: use a whole number from 1 to {MAX_GAMMA}.")
         cap = max_new_tokens_cap()

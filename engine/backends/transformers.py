@@ -24,7 +24,7 @@ from engine.errors import OutOfMemory, UserError, blame
 from engine.events import Status
 from engine.models.cpu import cpu_name
 from engine.models.loading import MODELS, LoadedModel, free_memory, resolve_device
-from engine.settings import MAX_GAMMA, Settings
+from engine.settings import HEAD_NAMES, MAX_GAMMA, Settings
 from engine.worker import ENGINE, in_thread
 
 STRICT_MARGIN = 0.05  # strict mode is on by default where it costs a one-token pass no more than this
@@ -40,6 +40,8 @@ class Pair:
     target: LoadedModel
     draft: LoadedModel | None
     same_ids: bool = True  # False: another tokenizer, drafts go through text (engine.decoding.crosstok)
+    head: object = None  # a draft head (engine.decoding.heads.Head) over the target's hidden states
+    head_spec: str = ""
 
 
 @contextmanager
@@ -86,18 +88,27 @@ class Transformers:
         with blame("target"):
             target = yield from _load(s.target, s, self.loaded)
         yield Status("target " + target.describe())
-        draft = None
-        if s.uses_draft:
+        draft = head = None
+        if s.uses_head:
+            from engine.models.heads import HEADS, describe
+
+            yield Status(f"loading the {HEAD_NAMES[s.drafter]} {s.draft}")
+            with blame("draft"):
+                head = yield from in_thread(lambda say: HEADS.get(s.draft, target.model, say))
+            yield Status("head " + describe(head))
+        elif s.uses_draft:
             yield Status(f"loading draft {s.draft}")
             with blame("draft"):
                 draft = yield from _load(s.draft, s, self.loaded)
             yield Status("draft " + draft.describe())
-        self.pair = Pair(target, draft, self._same_ids(target, draft))
+        self.pair = Pair(target, draft, self._same_ids(target, draft), head, s.draft if head is not None else "")
         if not self.pair.same_ids:
             yield Status("the draft has another tokenizer: its drafts are re-encoded into the target's tokens")
 
     def serves(self, s: Settings) -> bool:
         """Whether runs with `s` need nothing this pair lacks (the draft is loaded when a cell first needs it)."""
+        if s.uses_head:
+            return self.pair.head_spec == s.draft
         return not s.uses_draft or self.pair.draft is not None
 
     @staticmethod
@@ -167,7 +178,7 @@ class Transformers:
 
     def _prepare(self, ids: list[int], s: Settings) -> Iterator[Status]:
         width = self.strict_width(s)
-        draft = self.pair.draft if s.uses_draft else None
+        draft = self.pair.draft if s.uses_draft and not s.uses_head else None
         plans = [("target", self.pair.target, "run", [width] if width else range(1, widest_pass(s) + 1))]
         if draft is not None:
             plans.append(("draft", draft, "draft", [width] if width else [1, 2]))
@@ -220,6 +231,10 @@ class Transformers:
         if s.drafter == "draft-model":
             return DraftModel(pair.draft.model, pair.target.vocab_size, gamma=s.gamma, adaptive=s.adaptive,
                               p_min=s.p_min)  # fmt: skip
+        if s.uses_head:
+            from engine.models.heads import drafter_for
+
+            return drafter_for(pair.head, pair.target.vocab_size, s.gamma, s.adaptive)
         if s.drafter == "prompt-lookup":
             costs = pair.target.verify_costs if s.adaptive else None
             return PromptLookup(max_ngram=s.ngram, costs=costs, gamma=s.gamma)

@@ -76,6 +76,8 @@ def snippets(report: dict) -> dict[str, str]:
         return {"vllm": vllm_serve(s, best)}
     if s.get("backend") == "llama.cpp" and best["server_command"]:
         return {"llama.cpp": best["server_command"]}
+    if best["drafter"] in ("eagle3", "dflash"):
+        return head_snippets(s, best)
     if best["drafter"] == "suffix":  # vLLM's suffix decoding (arctic-inference); transformers and llama.cpp have none
         return {"vllm": vllm_serve(s, best)}
     if best["drafter"] == "prompt-lookup":
@@ -93,6 +95,24 @@ def snippets(report: dict) -> dict[str, str]:
         f'num_assistant_tokens_schedule="constant", assistant_confidence_threshold={best["p_min"]:g})',
         "vllm": f'LLM(model="{target}", speculative_config={{"model": "{draft}", "num_speculative_tokens": {gamma}}})',
         "llama.cpp": llama_server(s, best),
+    }
+
+
+def head_snippets(settings: dict, best: dict) -> dict[str, str]:
+    """A draft head on the engines that serve one, at the measured gamma: vLLM and SGLang load the head's folder or
+    Hub id as it is; llama.cpp converts it with its own converter first (which reads the target's HF folder)."""
+    target, head, gamma, method = hub_name(settings["target"]), settings["draft"], best["gamma"], best["drafter"]
+    config = {"method": method, "model": head, "num_speculative_tokens": gamma}
+    algorithm = "EAGLE3" if method == "eagle3" else "DFLASH"
+    chain = f" --speculative-num-steps {gamma} --speculative-eagle-topk 1" if method == "eagle3" else ""
+    name = Path(head.rstrip("/")).name
+    return {
+        "vllm": f"vllm serve {target} --speculative-config '{json.dumps(config)}'",
+        "sglang": f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algorithm} "
+        f"--speculative-draft-model-path {head}{chain} --speculative-num-draft-tokens {gamma + 1}",
+        "llama.cpp": f"python convert_hf_to_gguf.py {shlex.quote(head)} --target-model-dir TARGET_HF_FOLDER "
+        f"--outfile {name}.gguf\nllama-server -m {target.split('/')[-1]}.gguf -md {name}.gguf "
+        f"--spec-type draft-{method} --spec-draft-n-max {gamma}",
     }
 
 

@@ -84,8 +84,11 @@ def tokenizer_checks(target_tok, draft_tok) -> list[Check]:
 
 
 def diagnose(target: str, draft: str | None = None, dtype: str = "auto", device: str = "auto",
-             tokens: int = 2048) -> dict:  # fmt: skip
-    """All checks for a pair (or a target alone); `tokens` sizes the KV cache (prompt + new tokens)."""
+             tokens: int = 2048, head: bool = False) -> dict:  # fmt: skip
+    """All checks for a pair (or a target alone); `tokens` sizes the KV cache (prompt + new tokens). With `head`,
+    the draft is a draft head (engine.models.heads) checked against the target's config."""
+    if head and draft:
+        return _diagnose_head(target, draft, dtype, device, tokens)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     specs = {"target": target} | ({"draft": draft} if draft else {})
@@ -129,6 +132,19 @@ def diagnose(target: str, draft: str | None = None, dtype: str = "auto", device:
         "verdict": {"ok": "ok", "note": "ok", "warn": "warn", "fail": "fail"}[worst],
         "checks": [asdict(c) for c in checks],
     }
+
+
+def _diagnose_head(target: str, head: str, dtype: str, device: str, tokens: int) -> dict:
+    """The target's checks, then the head's: its features, vocabulary and layers against the target's config."""
+    from engine.models.heads import doctor_checks
+
+    report = diagnose(target, None, dtype, device, tokens)
+    found, params = doctor_checks(head, target, _config(target))
+    checks = [Check(**c) for c in report["checks"]] + [Check(*c) for c in found]
+    worst = max((c.status for c in checks), key=RANK.get)
+    return report | {"draft": head, "params": report["params"] | {"draft": params},
+                     "verdict": {"ok": "ok", "note": "ok", "warn": "warn", "fail": "fail"}[worst],
+                     "checks": [asdict(c) for c in checks]}  # fmt: skip
 
 
 @functools.lru_cache(maxsize=8)

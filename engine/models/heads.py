@@ -148,6 +148,28 @@ def check(c: HeadConfig, target_config) -> list[str]:
     return problems
 
 
+def doctor_checks(spec: str, target_spec: str, target_config) -> tuple[list[tuple[str, str, str]], int]:
+    """The pair doctor's checks of a head against a target, from the head's config.json alone (downloaded without its
+    weights): (name, status, detail) each, and the head's parameter count."""
+    source = resolve(spec)
+    folder = Path(hub_folder(source, weights=False) if source.repo_id else source.location)
+    c = head_config(read_config(folder), target_config)
+    problems = check(c, target_config)
+    what = f"{c.kind} head ({c.layout} layout) reading target layers {list(c.layers)}"
+    checks = [("head", "fail" if problems else "ok", " ".join(problems) if problems else what)]
+    if c.verifier:
+        named = Path(c.verifier.rstrip("/")).name.lower()
+        ours = Path(str(target_spec).split("@")[0].rstrip("/")).name.lower()
+        status = "ok" if named == ours else "warn"
+        detail = f"the head was trained for {c.verifier}"
+        if status != "ok":
+            detail += f", not {target_spec}: expect lower acceptance"
+        checks.append(("verifier", status, detail))
+    with torch.device("meta"):
+        params = sum(p.numel() for p in Head(c).parameters())
+    return checks, params + (c.draft_vocab_size or 0) * c.hidden_size * (c.kind == "eagle3")
+
+
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -222,6 +244,36 @@ def build(c: HeadConfig, weights: dict[str, torch.Tensor], target, name: str = "
             raise UserError(f"head {name!r} drafts over {rows} tokens but ships no d2t mapping.", field="draft")
         head.d2t = (own["d2t"].long() + torch.arange(rows)).to(p.device)
     return head.eval().requires_grad_(False)
+
+
+class LoadedHeads:
+    """The heads loaded lately, keyed by (spec, target): a head shares its target's embedding, so it lives and dies
+    with that very model object."""
+
+    def __init__(self, size: int = 2):
+        self.size, self.heads = size, {}
+
+    def get(self, spec: str, target, progress=lambda message: None) -> Head:
+        key = (spec, id(target))
+        if key not in self.heads:
+            while len(self.heads) >= self.size:
+                self.heads.pop(next(iter(self.heads)))
+            self.heads[key] = (load_head(spec, target, progress), target)  # the target kept: its id stays unique
+        return self.heads[key][0]
+
+
+HEADS = LoadedHeads()
+
+
+def describe(head: Head) -> str:
+    c = head.config
+    params = sum(p.numel() for p in head.parameters()) - head.embed_tokens.weight.numel()
+    if c.kind == "dflash" and head.lm_head.weight.shape[0] == c.vocab_size:
+        params -= head.lm_head.weight.numel()
+    vocab = head.lm_head.weight.shape[0]
+    what = (f"{c.num_layers}-layer EAGLE-3 head, draft vocabulary {vocab}" if c.kind == "eagle3"
+            else f"{c.num_layers}-layer DFlash head, blocks of {c.block_size}")  # fmt: skip
+    return f"{what}, reads target layers {list(c.layers)}, {params / 1e6:.1f}M parameters ({c.layout} layout)"
 
 
 def drafter_for(head: Head, vocab_size: int, gamma: int, adaptive: bool = False):

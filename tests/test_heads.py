@@ -1,0 +1,240 @@
+"""Draft heads (engine.decoding.heads, engine.models.heads) on tiny random targets: the four published layouts and
+their layer-index conventions, greedy ids equal to the baseline's and HF generate()'s through every kind of target
+pass, sampled marginals exact, the head's cache in step with rollbacks, and clear messages for heads that do not fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine.decoding.heads import DFlash, Eagle3
+from engine.decoding.lean import attach
+from engine.decoding.runtime import forward, new_cache
+from engine.decoding.sampling import SamplingConfig
+from engine.errors import UserError
+from engine.models.heads import LAYOUTS, drafter_for, head_config, load_head, random_head, read_config, write_head
+from tests.conftest import byte_tokenizer, tiny_llama
+from tests.test_engine import GREEDY, PROMPTS, hf_generate, prompt_ids, run_baseline, run_spec
+from tests.test_sampling import sampled_exactly
+
+DEPTH = 6  # EAGLE-3 reads layers (2, 3, 3) of six, DFlash (2, 4) for two draft layers
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(layers=DEPTH)
+
+
+@pytest.fixture(scope="module")
+def lean_target():
+    model = tiny_llama(layers=DEPTH)
+    model.config._attn_implementation = "sdpa"
+    assert attach(model)
+    return model
+
+
+def heads_of(target):
+    """One head of each kind and shape: full and reduced draft vocabularies, the speculators norm flags, DFlash."""
+    return {
+        "eagle3": random_head(target, "eagle3"),
+        "eagle3-reduced": random_head(target, "eagle3", draft_vocab=200, norm_before_residual=True, seed=1),
+        "eagle3-norms": random_head(target, "eagle3", draft_vocab=300, norm_before_fc=True, norm_output=True, seed=2),
+        "dflash": random_head(target, "dflash", layers=2, block_size=6, mask_token_id=5, seed=3),
+    }
+
+
+def test_every_layout_reads_back_what_was_written_with_its_layer_ids(target, tmp_path):
+    """EAGLE-3 ids and speculators' dflash ids are hidden_states indices as they stand; z-lab's DFlash ids name the
+    layer whose output is read, one lower; SafeAILab's weights sit under `midlayer.`."""
+    heads = heads_of(target)
+    cases = [("eagle3", "eagle3-original"), ("eagle3-reduced", "speculators-eagle3"),
+             ("eagle3-norms", "speculators-eagle3"), ("dflash", "dflash"), ("dflash", "speculators-dflash")]
+    for name, layout in cases:
+        head = heads[name]
+        folder = write_head(head, tmp_path / f"{name}-{layout}", layout, verifier="tiny")
+        raw = read_config(folder)
+        keys = set(load_file(folder / "model.safetensors"))
+        if layout == "eagle3-original":
+            assert "midlayer.self_attn.q_proj.weight" in keys and "draft_vocab_size" in raw
+        if layout == "speculators-eagle3":
+            assert raw["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3] and "layers.0.hidden_norm.weight" in keys
+            assert {"d2t", "t2d", "lm_head.weight", "embed_tokens.weight"} <= keys
+        if layout == "dflash":
+            assert raw["dflash_config"]["target_layer_ids"] == [i - 1 for i in head.config.layers]
+            assert not {"lm_head.weight", "embed_tokens.weight"} & keys
+        if layout == "speculators-dflash":
+            assert raw["aux_hidden_state_layer_ids"] == list(head.config.layers)
+        back = load_head(str(folder), target)
+        assert back.config.layers == head.config.layers and back.config.layout == layout
+        for flag in ("norm_before_residual", "norm_before_fc", "norm_output", "block_size", "mask_token_id"):
+            assert getattr(back.config, flag) == getattr(head.config, flag), (layout, flag)
+        ids = prompt_ids(byte_tokenizer(), PROMPTS[0])
+        assert _drafts(target, head, ids) == _drafts(target, back, ids), layout
+
+
+def _drafts(target, head, ids, gamma=4):
+    """What the head proposes after `ids`, fed the target's features of all but the last position."""
+    drafter = drafter_for(head, target.config.vocab_size, gamma)
+    with torch.inference_mode():
+        _, features = forward(target, ids[:-1], new_cache(target), layers=drafter.layers)
+        drafter.see(features)
+        return drafter.propose(ids, gamma, GREEDY, torch.Generator()).tokens
+
+
+@pytest.mark.parametrize("lean", [False, True])
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_greedy_head_drafts_give_the_baseline_and_hf_generate_ids(target, lean_target, llama_pair, lean, gamma):
+    model = lean_target if lean else target
+    tok = llama_pair[2]
+    heads = heads_of(model)
+    for text in PROMPTS:
+        ids = prompt_ids(tok, text)
+        expected = hf_generate(model, ids, 30)
+        assert run_baseline(model, tok, ids, 30).token_ids == expected
+        for name, head in heads.items():
+            result = run_spec(model, tok, ids, drafter_for(head, 384, gamma), gamma, 30)
+            assert result.token_ids == expected, (name, text)
+            assert result.metrics.draft_passes > 0
+
+
+def test_a_head_proposes_after_every_step_what_it_would_from_scratch(target, llama_pair):
+    """The head's cache in step with rollbacks: at every step of a run, its draft equals the draft of a fresh head
+    fed the whole text at once, so rows built from rejected guesses never linger."""
+    tok = llama_pair[2]
+    for name, head in heads_of(target).items():
+        drafter = drafter_for(head, 384, 4)
+        seen = []
+        real = drafter.propose
+
+        def spy(ids, limit, cfg, generator, real=real):
+            draft = real(ids, limit, cfg, generator)
+            seen.append((list(ids), draft.tokens))
+            return draft
+
+        drafter.propose = spy
+        run_spec(target, tok, prompt_ids(tok, PROMPTS[1]), drafter, 4, 24)
+        assert len(seen) > 3
+        for ids, tokens in seen:
+            assert _drafts(target, head, ids, len(tokens)) == tokens, name
+
+
+def test_draft_vocabulary_maps_to_target_ids_and_nothing_outside(target):
+    head = random_head(target, "eagle3", draft_vocab=50, seed=4)
+    drafter = drafter_for(head, 384, 4)
+    cfg = SamplingConfig(temperature=1.0, seed=0)
+    tok_ids = list(range(10, 30))
+    with torch.inference_mode():
+        _, features = forward(target, tok_ids[:-1], new_cache(target), layers=drafter.layers)
+        drafter.see(features)
+        draft = drafter.propose(tok_ids, 4, cfg, cfg.generator(torch.device("cpu")))
+    assert all(t < 50 for t in draft.tokens)  # the head's ids are the first 50 target ids
+    assert draft.probs.shape == (4, 384) and float(draft.probs[:, 50:].sum()) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_sampled_head_drafts_keep_the_target_distribution(kind):
+    """Each draft token is drawn from the head's q with the run's temperature, top-k and top-p: the rejection rule
+    then gives exactly the target's marginals. A reduced draft vocabulary (q = 0 outside it) too."""
+    model = tiny_llama(vocab_size=8, layers=4, seed=5)
+    with torch.no_grad():
+        head = random_head(model, kind, draft_vocab=6 if kind == "eagle3" else 0, block_size=4, mask_token_id=7,
+                           seed=7)  # fmt: skip
+        for p in head.parameters():
+            p.mul_(4.0)  # a sharper q, so that acceptance is neither 0 nor 1
+    cfg = SamplingConfig(temperature=1.0)
+    accepted, drafted = sampled_exactly(model, lambda: drafter_for(head, 8, 3), 3, cfg, [1, 2, 3], 3)
+    assert 0.05 < accepted / drafted < 0.95
+
+
+def test_strict_mode_keeps_bfloat16_head_runs_identical(llama_pair):
+    """A head drafts in bfloat16 from the verify passes' features: with strict mode, greedy ids equal the baseline's."""
+    from engine.decoding.baseline import baseline_decode
+    from engine.decoding.metrics import summarise
+    from engine.decoding.speculative import speculative_decode
+
+    model = tiny_llama(layers=DEPTH).to(torch.bfloat16)
+    tok = llama_pair[2]
+    for head in (random_head(model, "eagle3", draft_vocab=100), random_head(model, "dflash", block_size=5)):
+        for text in PROMPTS:
+            ids = prompt_ids(tok, text)
+            with torch.inference_mode():
+                base = summarise("b", list(baseline_decode(model, tok, ids, GREEDY, 30, set(), width=5)), "")
+                steps = list(speculative_decode(model, tok, ids, drafter_for(head, 384, 4), GREEDY, 30, set(), 5))
+            assert summarise("s", steps, "").token_ids == base.token_ids
+
+
+def test_a_head_for_another_target_is_refused_in_one_sentence(target, tmp_path):
+    head = random_head(target, "eagle3")
+    folder = write_head(head, tmp_path / "h", "speculators-eagle3")
+    wider = tiny_llama(layers=DEPTH)
+    wider.config.hidden_size = 128
+    with pytest.raises(UserError, match="features 64 wide, the target's hidden size is 128") as err:
+        load_head(str(folder), wider)
+    assert err.value.field == "draft"
+    raw = json.loads((folder / "config.json").read_text())
+    raw["eagle_aux_hidden_state_layer_ids"] = [2, 3, 9]
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(UserError, match=r"reads target layers \[2, 3, 9\], the target has 6"):
+        load_head(str(folder), target)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(UserError, match="not a draft head.*draft-model drafter"):
+        load_head(str(tmp_path / "model"), target)
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((folder / "config.json").read_text())
+    (pickled / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(UserError, match="SPECARENA_ALLOW_PICKLE=1"):
+        load_head(str(pickled), target)
+
+
+def test_every_layout_is_known():
+    assert set(LAYOUTS) == {"speculators-eagle3", "eagle3-original", "dflash", "speculators-dflash"}
+    assert {Eagle3.name, DFlash.name} == {"eagle3", "dflash"}
+    raw = {"speculators_model_type": "eagle3", "transformer_layer_config": {
+        "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 128}}
+    c = head_config(raw, tiny_llama(layers=DEPTH).config)
+    assert c.layers == (2, 3, 3) and c.norm_before_residual  # vLLM reads an absent flag as True
+
+
+@pytest.fixture(scope="module")
+def head_dirs(tmp_path_factory, target):
+    """A saved six-layer target and an EAGLE-3 and a DFlash head for it, as a user would have them on disk."""
+    root = tmp_path_factory.mktemp("heads")
+    target.save_pretrained(root / "target")
+    byte_tokenizer().save_pretrained(root / "target")
+    write_head(random_head(target, "eagle3", draft_vocab=200), root / "eagle3", verifier=str(root / "target"))
+    write_head(random_head(target, "dflash", block_size=5), root / "dflash", "dflash")
+    return {name: str(root / name) for name in ("target", "eagle3", "dflash")}
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_cli_runs_a_head_lossless_and_the_doctor_checks_it(head_dirs, kind, capsys):
+    from engine.__main__ import main
+
+    code = main(["run", "--json", "--target", head_dirs["target"], "--drafter", kind, "--draft", head_dirs[kind],
+                 "--prompt", "abc abc abc", "--max-new-tokens", "16", "--gamma", "3"])  # fmt: skip
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["identical"] is True and data["speculative"]["metrics"]["draft_passes"] > 0
+    assert main(["doctor", "--target", head_dirs["target"], "--drafter", kind, "--draft", head_dirs[kind]]) == 0
+    out = capsys.readouterr().out
+    assert f"{kind} head" in out and "reading target layers" in out
+
+
+def test_cli_head_errors_are_one_line(head_dirs, model_dirs, capsys):
+    from engine.__main__ import main
+
+    assert main(["run", "--target", head_dirs["target"], "--drafter", "eagle3", "--prompt", "hi"]) == 2
+    assert "EAGLE-3 head drafter needs a head" in capsys.readouterr().err
+    # the tiny two-layer target has no layer 2 to read
+    assert main(["run", "--target", model_dirs["target"], "--drafter", "eagle3", "--draft", head_dirs["eagle3"],
+                 "--prompt", "hi", "--max-new-tokens", "4"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "reads target layers [2, 3, 3], the target has 2" in err
+    assert main(["doctor", "--target", model_dirs["target"], "--drafter", "eagle3", "--draft",
+                 head_dirs["eagle3"]]) == 1  # fmt: skip
+    assert "the target has 2" in capsys.readouterr().out
