@@ -137,6 +137,9 @@ def parser() -> argparse.ArgumentParser:
     forge.add_argument("--batch-size", type=int, default=48, help="prompts the target answers together")
     forge.add_argument("--max-new-tokens", type=int, default=128, help="longest answer generated for the data")
     forge.add_argument("--threads", default="auto", help="torch threads (auto: timed)")
+    forge.add_argument("--init", choices=["target", "random"], default="target",
+                       help="the head's layer starts as the target's last layer (default) or random")
+    forge.add_argument("--data-share", type=float, default=0.6, help="of the budget after loading, for data")
     forge.add_argument("--no-pays", action="store_true", help="skip the final measurement on held-out prompts")
     forge.add_argument("--pays-repeats", type=int, default=1)
     forge.add_argument("--json", metavar="PATH", help="write the summary as JSON")
@@ -485,7 +488,8 @@ def cmd_forge(args) -> int:
     cfg = ForgeConfig(target=args.target, out=args.out, suite=args.prompts or args.suite, minutes=args.minutes,
                       held_out=args.held_out, seed=args.seed, dtype=args.dtype, device=args.device,
                       batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, steps=args.gamma_max,
-                      threads=args.threads, pays=not args.no_pays, pays_repeats=args.pays_repeats)  # fmt: skip
+                      threads=args.threads, pays=not args.no_pays, pays_repeats=args.pays_repeats, init=args.init,
+                      data_share=args.data_share)  # fmt: skip
 
     def show(event) -> None:
         eta = f" [{event.eta_s // 60:.0f}:{event.eta_s % 60:02.0f} left]" if event.eta_s is not None else ""

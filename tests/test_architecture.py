@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("engine.decoding", "engine.models", "engine.backends", "engine.measure")
+PACKAGES = ("engine.decoding", "engine.models", "engine.backends", "engine.measure", "engine.forge")
 
 
 def modules() -> dict[str, Path]:
@@ -99,6 +99,13 @@ def test_the_dependencies_point_down():
             if module.startswith(package + ".") or module == package:
                 bad = [t for t in targets if t.startswith(forbidden)]
                 assert not bad, f"{module} imports {bad}"
+
+
+def test_the_forge_uses_the_engine_and_nothing_in_the_engine_uses_the_forge():
+    edges = graph()
+    users = sorted(m for m, targets in edges.items() if not m.startswith("engine.forge") and m != "engine.__main__"
+                   and any(t.startswith("engine.forge") for t in targets))  # fmt: skip
+    assert users == []
 
 
 def test_importing_one_module_loads_neither_its_package_nor_the_web_app():

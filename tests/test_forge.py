@@ -65,7 +65,7 @@ def test_a_batch_of_sequences_gives_each_its_own_logits():
 def test_the_draft_vocabulary_covers_the_labels_and_maps_both_ways():
     counts = torch.zeros(4000, dtype=torch.int64)
     counts[:3000] = torch.arange(3000, 0, -1) ** 2  # a steep, Zipf-like use of the first 3000 ids
-    ids = T.draft_vocabulary(counts, coverage=0.95)
+    ids = T.draft_vocabulary(counts, coverage=0.95, least=0)
     assert T.covered(counts, ids) >= 0.95
     assert ids.numel() % 32 == 0 and ids.numel() < 3000
     assert torch.equal(ids, ids.sort().values)
@@ -88,8 +88,8 @@ def forged(model_dirs, tmp_path_factory):
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Say something about thing {i} please."}) + "\n"
                                for i in range(40)))  # fmt: skip
     out = tmp_path_factory.mktemp("forge") / "head"
-    cfg = ForgeConfig(target=str(folder), out=str(out), suite=str(prompts), minutes=20 / 60, batch_size=16,
-                      max_new_tokens=16, steps=2, threads="1", fast="off", pays=True, pays_max_new_tokens=16)  # fmt: skip
+    cfg = ForgeConfig(target=str(folder), out=str(out), suite=str(prompts), minutes=20 / 60, batch_size=16, steps=2,
+                      max_new_tokens=16, threads="1", fast="off", pays=True, pays_max_new_tokens=16)  # fmt: skip
     events = []
     summary = forge(cfg, events.append)
     return cfg, events, summary

@@ -45,8 +45,14 @@ class Sequence:
     features: torch.Tensor  # (n - 1, layers x hidden), 16 bits
     top_ids: torch.Tensor  # (n - 1, TOP_K) int32: the label of position j sits in row j (zeros in the prompt)
     top_p: torch.Tensor  # (n - 1, TOP_K) float16
-    source: str = ""  # "greedy" | "sampled" | "variation"
+    source: str = ""  # "greedy" | "sampled" | "variation" | "ask" (the target writing a new prompt)
     prompt_id: str = ""
+    labels_from: int = -1  # first position with a label: the prompt's last (P - 1), or 0 when the prompt's own
+    # positions have the target's distributions too (they come free with the prefill)
+
+    def __post_init__(self):
+        if self.labels_from < 0:
+            self.labels_from = self.prompt_len - 1
 
 
 @dataclass
@@ -108,6 +114,7 @@ def generate(model, batch: Batch, layers: tuple[int, ...], eos: set[int], genera
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
                     output_hidden_states=True, logits_to_keep=1)  # fmt: skip
+        prompt_top = _prompt_labels(model, out.hidden_states[-1][:, :-1])  # (B, width - 1, K) x2
         for step in range(batch.max_new_tokens):
             feats.append(torch.cat([out.hidden_states[i] for i in layers], -1))  # (B, rows, F)
             logits = out.logits[:, -1].float()  # (B, V)
@@ -124,10 +131,27 @@ def generate(model, batch: Batch, layers: tuple[int, ...], eos: set[int], genera
             positions = positions[:, -1:] + 1
             out = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions, cache=cache,
                         use_cache=True, output_hidden_states=True)  # fmt: skip
-    return _sequences(batch, feats, tops, probs, new, eos)
+    return _sequences(batch, feats, tops, probs, new, eos, prompt_top)
 
 
-def _sequences(batch: Batch, feats, tops, probs, new, eos: set[int]) -> list[Sequence]:
+def _prompt_labels(model, final: torch.Tensor, chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's top-k next-token probabilities at the prompt's positions, from the prefill's last hidden state
+    (transformers' last `hidden_states` entry is after the final norm), a few rows at a time: (B, rows, K) ids and
+    probabilities. The LM head over these rows costs about a quarter of the prefill; the rows are labels for free."""
+    b, rows, width = final.shape
+    flat = final.reshape(-1, width)
+    ids, probs = [], []
+    head = model.get_output_embeddings()
+    for start in range(0, flat.shape[0], chunk):
+        p, top = torch.softmax(head(flat[start : start + chunk]).float(), -1).topk(TOP_K, -1)
+        ids.append(top.to(torch.int32))
+        probs.append(p.to(torch.float16))
+    if not ids:
+        return torch.zeros((b, rows, TOP_K), dtype=torch.int32), torch.zeros((b, rows, TOP_K), dtype=torch.float16)
+    return torch.cat(ids).view(b, rows, TOP_K), torch.cat(probs).view(b, rows, TOP_K)
+
+
+def _sequences(batch: Batch, feats, tops, probs, new, eos: set[int], prompt_top) -> list[Sequence]:
     """Per-row sequences from the batch's passes (left padding and everything after a row's EOS dropped)."""
     prompt_feats = feats[0]  # (B, width, F): the prefill's rows
     width = prompt_feats.shape[1]
@@ -143,11 +167,13 @@ def _sequences(batch: Batch, feats, tops, probs, new, eos: set[int]) -> list[Seq
         f = torch.cat([prompt_feats[i, width - len(prompt) :], gen_feats[i, : len(answer) - 1]])  # (n - 1, F)
         ids = torch.zeros((n - 1, TOP_K), dtype=torch.int32)
         p = torch.zeros((n - 1, TOP_K), dtype=torch.float16)
+        ids[: len(prompt) - 1] = prompt_top[0][i, width - len(prompt) :]
+        p[: len(prompt) - 1] = prompt_top[1][i, width - len(prompt) :]
         ids[len(prompt) - 1 :] = top_ids[i, : len(answer)]
         p[len(prompt) - 1 :] = top_p[i, : len(answer)]
         f = f.float()
         out.append(Sequence(prompt + answer, len(prompt), f.to(feature_dtype(f)), ids, p, batch.source,
-                            batch.ids[i]))  # fmt: skip
+                            batch.ids[i], labels_from=0))  # fmt: skip
     return out
 
 
@@ -182,6 +208,7 @@ def write_shard(folder: Path, index: int, sequences: list[Sequence], split: str)
     tensors = {
         "tokens": torch.tensor([t for s in sequences for t in s.tokens], dtype=torch.int32),
         "lengths": lengths, "prompt_lens": torch.tensor([s.prompt_len for s in sequences], dtype=torch.int64),
+        "labels_from": torch.tensor([s.labels_from for s in sequences], dtype=torch.int64),
         "features": torch.cat([s.features.to(sequences[0].features.dtype) for s in sequences]),
         "top_ids": torch.cat([s.top_ids for s in sequences]), "top_p": torch.cat([s.top_p for s in sequences]),
     }  # fmt: skip
@@ -201,10 +228,11 @@ def read_shard(path: Path) -> tuple[str, list[Sequence]]:
     t = load_file(str(path))
     sources, ids = json.loads(meta["sources"]), json.loads(meta["prompt_ids"])
     out, at, row = [], 0, 0
+    starts = t["labels_from"].tolist() if "labels_from" in t else [-1] * len(sources)
     for i, (n, p) in enumerate(zip(t["lengths"].tolist(), t["prompt_lens"].tolist())):
         rows = slice(row, row + n - 1)
         out.append(Sequence(t["tokens"][at : at + n].tolist(), p, t["features"][rows], t["top_ids"][rows],
-                            t["top_p"][rows], sources[i], ids[i]))  # fmt: skip
+                            t["top_p"][rows], sources[i], ids[i], starts[i]))  # fmt: skip
         at, row = at + n, row + n - 1
     return meta["split"], out
 
@@ -223,6 +251,10 @@ class Dataset:
 
     def answer_tokens(self, split: str = "train") -> int:
         return sum(len(s.tokens) - s.prompt_len for s in (self.val if split == "val" else self.train))
+
+    def label_rows(self, split: str = "train") -> int:
+        """Positions with a label (answers and, where kept, prompts)."""
+        return sum(len(s.tokens) - 1 - s.labels_from for s in (self.val if split == "val" else self.train))
 
     def bytes(self) -> int:
         return sum(s.features.numel() * s.features.element_size() + s.top_ids.numel() * 6

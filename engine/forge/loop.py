@@ -131,9 +131,7 @@ class Trainer:
                 totals = counts if totals is None else [(a + c, b + d) for (a, b), (c, d) in zip(totals, counts)]
         self.head.train()
         acceptance = [k / r if r else 0.0 for r, k in (totals or [])]
-        from engine.forge.pipeline import expected_length
-
-        return {"loss": losses / max(n, 1), "acceptance": acceptance, "expected_length": expected_length(acceptance),
+        return {"loss": losses / max(n, 1), "acceptance": acceptance, "expected_length": T.expected_length(acceptance),
                 "rows": n}  # fmt: skip
 
     def _lr(self, frac: float, warm: float = 0.05) -> float:
@@ -169,7 +167,7 @@ class Trainer:
             self.optimizer.step()
             self.step += 1
             self.rows_done += stats[0]["rows"]
-            window.append((float(loss), [s["hits"] / max(s["rows"], 1) for s in stats]))
+            window.append((loss.item(), [s["hits"] / max(s["rows"], 1) for s in stats]))
             if time.perf_counter() >= next_eval:
                 yield self._checkpoint(start, seconds, window)
                 window = []

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import random
 import threading
 import time
@@ -44,7 +43,7 @@ class ForgeConfig:
     seed: int = 0
     dtype: str = "float32"
     device: str = "auto"
-    data_share: float = 0.45  # of the budget left after loading
+    data_share: float = 0.6  # of the budget left after loading (training on a few thousand answers overfits in minutes)
     batch_size: int = 48  # prompts generated together
     max_new_tokens: int = 128
     temperature: float = 0.8  # the sampled answers' (greedy answers come first)
@@ -211,16 +210,18 @@ class Forge:
                 break
             split, batch = what
             sequences = D.generate(self.fast_model, batch, self.layers, self.eos, self.generator, deadline)
+            if split == "ask":  # the target writing new prompts: its text is training data too
+                self._asked, split = sequences, "train"
             D.write_shard(folder, self.dataset.shards, sequences, split)
             self.dataset.shards += 1
             self.dataset.add(split, sequences)
-            if batch.source == "variation-prompt":
-                continue
             made = self.dataset.answer_tokens() + self.dataset.answer_tokens("val") - made_before
-            rate = made / max(time.perf_counter() - started, 1e-6)
+            rate = made / max(time.perf_counter() - started, 1e-6)  # answer tokens; prompts' labels come on top
             share = min(1.0, (time.perf_counter() - started) / max(deadline - started, 1e-6))
-            yield self.event("data", f"{made:,} answer tokens ({rate:.0f}/s), {len(self.dataset.train)} train and "
-                             f"{len(self.dataset.val)} validation answers", share, tokens=made, rate=rate)  # fmt: skip
+            rows = self.dataset.label_rows()
+            yield self.event("data", f"{made:,} answer tokens ({rate:.0f}/s), {rows:,} labelled training rows, "
+                             f"{len(self.dataset.train)} train and {len(self.dataset.val)} validation sequences",
+                             share, tokens=made, rate=rate, rows=rows)  # fmt: skip
         self._write_state(data_done=True, data_tokens=self.dataset.answer_tokens())
 
     def _plan(self, deadline: float) -> Iterator[tuple[str, D.Batch]]:
@@ -255,12 +256,12 @@ class Forge:
         asks = [(f"ask-{round_}-{i}", encode_prompt(tok, D.VARIATION.format(prompt=p), self.chat))
                 for i, p in enumerate(chosen)]  # fmt: skip
         new: list[tuple[str, list[int]]] = []
-        for b in D.batches(asks, cfg.batch_size, 1.0, min(160, cfg.max_new_tokens), "variation"):
-            sequences = D.generate(self.fast_model, b, self.layers, self.eos, self.generator, deadline)
-            for text in D.texts(tok, sequences, self.eos):
+        for b in D.batches(asks, cfg.batch_size, 1.0, min(160, cfg.max_new_tokens), "ask"):
+            yield "ask", b  # make_data generates it and leaves the answers in self._asked
+            for text in D.texts(tok, self._asked, self.eos):
                 if D.usable_variation(text, seen):
                     new.append((D.prompt_id(text), encode_prompt(tok, text, self.chat)))
-            sources.extend(t for t in D.texts(tok, sequences, self.eos) if len(t) >= 15)
+                    sources.append(text)
         val = [p for p in new if is_held_out(p[0], VAL_SHARE, cfg.seed + 1)]
         train = [p for p in new if not is_held_out(p[0], VAL_SHARE, cfg.seed + 1)]
         for b in D.batches(val, cfg.batch_size, 0.0, cfg.max_new_tokens, "variation"):
@@ -278,7 +279,8 @@ class Forge:
         if saved.is_file():
             self.ids = torch.load(saved, weights_only=True)
         else:
-            self.ids = T.draft_vocabulary(counts, self.cfg.coverage)
+            soft = T.label_counts(self.dataset.train, vocab_size, soft=True)
+            self.ids = T.draft_vocabulary(counts, soft, coverage=self.cfg.coverage)
         val_counts = T.label_counts(self.dataset.val, vocab_size)
         self.vocab = {"size": int(self.ids.numel()), "target_vocabulary": vocab_size,
                       "train_coverage": T.covered(counts, self.ids),
@@ -397,16 +399,3 @@ def forge(cfg: ForgeConfig, progress=lambda event: None, stop: threading.Event |
         if event.phase == "done":
             result = event.metrics.get("result", {})
     return result
-
-
-def expected_length(alphas: list[float]) -> float:
-    """Tokens per verify pass of a greedy chain of len(alphas) drafts with per-position acceptance alphas."""
-    total, survive = 1.0, 1.0
-    for a in alphas:
-        survive *= a
-        total += survive
-    return total
-
-
-def isfinite(x: float) -> bool:
-    return math.isfinite(x)

@@ -34,34 +34,55 @@ STEP_DECAY = 0.8  # loss weight of TTT step k: 0.8^k
 # --- vocabulary -----------------------------------------------------------------------------------------------------
 
 
-def label_counts(sequences: list[Sequence], vocab_size: int) -> torch.Tensor:
-    """How often each target token is the target's own choice (top-1 label) at an answer position."""
-    counts = torch.zeros(vocab_size, dtype=torch.int64)
+def label_counts(sequences: list[Sequence], vocab_size: int, soft: bool = False) -> torch.Tensor:
+    """How often each target token is the target's own choice (top-1 label) at an answer position; with `soft`, the
+    target's probability mass on each token over every labelled position (prompts too), which spreads over the
+    tokens it would also have written and so predicts unseen text better than a few thousand argmaxes do."""
+    counts = torch.zeros(vocab_size, dtype=torch.float64 if soft else torch.int64)
     for s in sequences:
-        top = s.top_ids[s.prompt_len - 1 :, 0].long()
-        counts += torch.bincount(top, minlength=vocab_size)[:vocab_size]
+        if soft:
+            start = s.labels_from
+            counts.index_add_(0, s.top_ids[start:].reshape(-1).long(), s.top_p[start:].reshape(-1).double())
+        else:
+            top = s.top_ids[s.prompt_len - 1 :, 0].long()
+            counts += torch.bincount(top, minlength=vocab_size)[:vocab_size]
     return counts
 
 
-def draft_vocabulary(counts: torch.Tensor, coverage: float = 0.97, most: int = 32768) -> torch.Tensor:
-    """Sorted target ids of the draft vocabulary: the most frequent first until `coverage` of the counted labels
-    (ties by id, as speculators does), rounded up to a multiple of 256 (32 for small vocabularies), at least an
-    eighth of the vocabulary up to 1024 ids, the rest filled with the lowest unused ids."""
-    vocab = counts.numel()
-    multiple, least = (256 if vocab >= 16384 else 32), min(1024, vocab // 8)
-    order = sorted(range(vocab), key=lambda i: (-int(counts[i]), i))
-    total = int(counts.sum())
+def _covering(counts: torch.Tensor, coverage: float) -> list[int]:
+    """The fewest ids, most frequent first (ties by id, as speculators does), that hold `coverage` of the counts."""
+    order = sorted(range(counts.numel()), key=lambda i: (-float(counts[i]), i))
+    total = float(counts.sum())
     if total == 0:
-        size = min(vocab, least)
-    else:
-        running = torch.cumsum(counts[torch.tensor(order)], 0)
-        size = int(torch.searchsorted(running, torch.tensor(math.ceil(coverage * total)))) + 1
-        size = min(vocab, max(least, min(most, -(-size // multiple) * multiple)))
-    return torch.tensor(sorted(order[:size]), dtype=torch.long)
+        return []
+    running = torch.cumsum(counts[torch.tensor(order)].double(), 0)
+    return order[: int(torch.searchsorted(running, torch.tensor(coverage * total, dtype=torch.float64))) + 1]
+
+
+def draft_vocabulary(*counts: torch.Tensor, coverage: float = 0.97, least: int | None = None,
+                     most: int = 32768) -> torch.Tensor:  # fmt: skip
+    """Sorted target ids of the draft vocabulary: for each of `counts` (hard and soft label counts, say) the most
+    frequent ids until they hold `coverage` of it, together; then the most frequent of the first counts up to a
+    multiple of 256 (32 for small vocabularies) and at least `least` ids (default: a quarter of the vocabulary up to
+    8192: a few minutes of data see too few distinct tokens to estimate the tail, and a missing token is a sure
+    rejection); at most `most`. Ids never counted come last, lowest first."""
+    vocab = counts[0].numel()
+    multiple = 256 if vocab >= 16384 else 32
+    least = min(8192, vocab // 4) if least is None else least
+    chosen = set()
+    for c in counts:
+        chosen.update(_covering(c, coverage))
+    size = min(vocab, max(least, min(most, -(-len(chosen) // multiple) * multiple)))
+    order = sorted(range(vocab), key=lambda i: (-float(counts[0][i]), i))
+    for i in order:
+        if len(chosen) >= size:
+            break
+        chosen.add(i)
+    return torch.tensor(sorted(chosen)[:size] if len(chosen) > size else sorted(chosen), dtype=torch.long)
 
 
 def covered(counts: torch.Tensor, ids: torch.Tensor) -> float:
-    total = int(counts.sum())
+    total = float(counts.sum())
     return float(counts[ids].sum()) / total if total else 0.0
 
 
@@ -188,8 +209,8 @@ def collate(sequences: list[Sequence], steps: int, t2d: torch.Tensor, dtype: tor
         n = len(s.tokens)
         tokens[i, : n - 1] = torch.tensor(s.tokens[1:])
         features[i, : n - 1] = s.features.to(dtype)
-        # row j of the labels: the distribution at position j + 1 (of x_{j+2}); valid from the prompt's end
-        first = max(s.prompt_len - 2, 0)
+        # row j of the labels: the distribution at position j + 1 (of x_{j+2}), from the first labelled position
+        first = max(s.labels_from - 1, 0)
         label_ids[i, first : n - 2] = t2d[s.top_ids[first + 1 : n - 1].long()]
         label_p[i, first : n - 2] = s.top_p[first + 1 : n - 1].float()
     return {"tokens": tokens, "features": features, "label_ids": label_ids, "label_p": label_p, "rows": rows}
@@ -233,3 +254,12 @@ def chain_acceptance(stats: list[dict]) -> list[float]:
         out.append(int((hit & base).sum()) / reached if reached else 0.0)
         alive = hit & base
     return out
+
+
+def expected_length(alphas: list[float]) -> float:
+    """Tokens per verify pass of a greedy chain of len(alphas) drafts with per-position acceptance alphas."""
+    total, survive = 1.0, 1.0
+    for a in alphas:
+        survive *= a
+        total += survive
+    return total
