@@ -18,8 +18,11 @@ import torch
 from engine.decoding.heads import Head, HeadCache
 
 
-def head_step_cost(head: Head, loaded, rows: int = 64, repeats: int = 20) -> float:
-    """One draft step of the head (one row after `rows` real rows) over one target pass (loaded.step_s)."""
+def head_step_cost(head: Head, model, rows: int = 64, repeats: int = 20) -> float:
+    """One draft step of the head (one row after `rows` real rows) over one one-token pass of the target, both timed
+    here, now, with the same threads (a figure from load time may have run under other settings or load)."""
+    from engine.decoding.runtime import time_passes
+
     c = head.config
     p = next(head.parameters())
     width = c.feature_size
@@ -35,7 +38,8 @@ def head_step_cost(head: Head, loaded, rows: int = 64, repeats: int = 20) -> flo
                 cache.crop(rows)
                 head.to_target(head.eagle3(token, state[-1:], cache)[1], c.vocab_size).argmax()
             best = min(best, (time.perf_counter() - start) / repeats)
-    return best / loaded.step_s if loaded.step_s else 0.0
+        target = time_passes(model, (1,))[1]
+    return best / target
 
 
 def recommend(acceptance: list[float], c: float, verify: list[float]) -> dict:
@@ -51,19 +55,23 @@ def recommend(acceptance: list[float], c: float, verify: list[float]) -> dict:
     return {"gamma": best["gamma"], "predicted_speedup": best["predicted"], "curve": curve, "c": c}
 
 
-def write(head: Head, folder: Path, loaded, summary: dict) -> Path:
-    """The head in the speculators layout, with README.md; fills summary["held_out"]."""
-    from engine.models.heads import write_head
+def held_out(head: Head, loaded, acceptance: list[float]) -> dict:
+    """The figures the card and the config need: the head's cost, the target's verify costs, the recommended gamma."""
+    from engine.decoding.runtime import measure_verify_costs
 
-    training = summary["training"]
     with torch.inference_mode():
-        verify = list(loaded.verify_costs)
-    c = head_step_cost(head, loaded)
-    summary["held_out"] = {"val_acceptance": training["val_acceptance"],
-                           "val_expected_length": training["val_expected_length"],
-                           "recommended": recommend(training["val_acceptance"], c, verify)}  # fmt: skip
+        verify = measure_verify_costs(loaded.model, max(len(acceptance), 1))
+    c = head_step_cost(head, loaded.model)
+    return {"recommended": recommend(acceptance, c, verify), "verify_costs": verify}
+
+
+def write(head: Head, folder: Path, loaded, summary: dict) -> Path:
+    """The head in the speculators layout, with README.md (summary["held_out"] filled by held_out first)."""
+    from engine.models.heads import write_head
+    from engine.models.loading import resolve
+
     arch = (getattr(loaded.model.config, "architectures", None) or [type(loaded.model).__name__])[0]
-    verifier = loaded.origin.split(" from ")[0] if loaded.origin else summary["target"]
+    verifier = resolve(summary["target"]).repo_id or summary["target"]
     write_head(head, folder, layout="speculators-eagle3", verifier=verifier, verifier_arch=arch,
                speculative_tokens=summary["held_out"]["recommended"]["gamma"], card=card(summary))  # fmt: skip
     return folder

@@ -137,8 +137,9 @@ def _encoded(loaded, items, chat) -> list[tuple[str, list[int]]]:
 class Forge:
     """One forge run's state, its phases as generator methods yielding ForgeEvents."""
 
-    def __init__(self, cfg: ForgeConfig, stop: threading.Event | None = None):
+    def __init__(self, cfg: ForgeConfig, stop: threading.Event | None = None, notify=None):
         self.cfg, self.stop = cfg, stop or threading.Event()
+        self.notify = notify or (lambda event: None)  # events from inside a phase that cannot yield (the bench)
         self.out = Path(cfg.out)
         self.budget = Budget(cfg.minutes)
         self.state = self._read_state()
@@ -303,14 +304,14 @@ class Forge:
 
     # -- 4. export --
     def export(self) -> Iterator[ForgeEvent]:
-        from engine.forge.export import write
+        from engine.forge.export import held_out, write
 
         self.budget.phase("export")
-        head = self.trainer.best_head()
-        self.head = head
-        self.budget.phase("")
-        self.summary = self._summary()
-        write(head, self.out, self.loaded, self.summary)
+        self.head = self.trainer.best_head()
+        figures = held_out(self.head, self.loaded, self.trainer.report()["val_acceptance"])
+        self.budget.phase("export")  # the time so far counted, before the summary reads it
+        self.summary = self._summary() | {"held_out": figures}
+        write(self.head, self.out, self.loaded, self.summary)
         yield self.event("export", f"wrote {self.out} (speculators layout, README.md)", 1.0)
 
     def _summary(self) -> dict:
@@ -341,9 +342,11 @@ class Forge:
         yield self.event("pays", f"measuring on {len(self.held_set)} held-out prompts: the head against prompt lookup, "
                          "suffix and the target alone")  # fmt: skip
         started = time.perf_counter()
-        updates: list[str] = []
-        result = measure(self.cfg, self.held_set, self.summary, lambda d, t, w: updates.append(f"{d}/{t} {w}"),
-                         self.stop)  # fmt: skip
+
+        def progress(done: int, total: int, what: str) -> None:
+            self.notify(ForgeEvent("pays", f"{done}/{total} {what}", done / total if total else 1.0))
+
+        result = measure(self.cfg, self.held_set, self.summary, progress, self.stop)
         result["wall_s"] = round(time.perf_counter() - started, 1)
         self.summary["pays"] = result
         from engine.forge.export import write_card
@@ -381,12 +384,13 @@ def _sources(sequences: list[D.Sequence]) -> dict:
     return out
 
 
-def forge_events(cfg: ForgeConfig, stop: threading.Event | None = None) -> Iterator[ForgeEvent]:
+def forge_events(cfg: ForgeConfig, stop: threading.Event | None = None, notify=None) -> Iterator[ForgeEvent]:
     """The forge as events: what the CLI prints and the Lab shows. The last event's metrics["result"] (phase "done")
-    is the run's summary, also written to DIR/forge-report.json."""
+    is the run's summary, also written to DIR/forge-report.json. The final measurement's progress goes to `notify`
+    (it runs the engine's bench, which cannot yield from here)."""
     threads = torch.get_num_threads()
     try:
-        yield from Forge(cfg, stop).run()
+        yield from Forge(cfg, stop, notify).run()
     finally:
         torch.set_num_threads(threads)
 
@@ -394,7 +398,7 @@ def forge_events(cfg: ForgeConfig, stop: threading.Event | None = None) -> Itera
 def forge(cfg: ForgeConfig, progress=lambda event: None, stop: threading.Event | None = None) -> dict:
     """Run the forge to the end; `progress` gets every ForgeEvent. Returns the summary (forge-report.json)."""
     result: dict = {}
-    for event in forge_events(cfg, stop):
+    for event in forge_events(cfg, stop, progress):
         progress(event)
         if event.phase == "done":
             result = event.metrics.get("result", {})
