@@ -137,3 +137,23 @@ def test_a_forge_resumes_from_its_folder(forged):
     assert again["training"]["resumed"] is True
     assert again["training"]["steps"] > first["training"]["steps"]
     assert again["data"]["train_answer_tokens"] == first["data"]["train_answer_tokens"]  # read back, not remade
+
+
+def test_batched_generation_gives_each_prompt_what_it_gets_alone():
+    """Left padding, and rows leaving the batch as they finish, change no row's tokens, features or labels."""
+    from engine.forge.data import Batch, generate
+
+    target = tiny_llama(layers=6)
+    prompts = [[5, 9, 33, 70], [12, 40, 41, 42, 43, 44, 45, 46, 47], [100, 3]]
+    gen = torch.Generator()
+    alone = [generate(target, Batch([p], [str(i)], 0.0, 10, "greedy"), (2, 3, 3), set(), gen)[0]
+             for i, p in enumerate(prompts)]  # fmt: skip
+    eos = {alone[0].tokens[len(prompts[0]) + 2]}  # the first prompt's third answer token ends it early
+    together = generate(target, Batch(prompts, ["0", "1", "2"], 0.0, 10, "greedy"), (2, 3, 3), eos, gen, compact=0.0)
+    for one, both in zip(alone, together):
+        cut = next((k + 1 for k, t in enumerate(one.tokens[one.prompt_len :]) if t in eos), None)
+        n = one.prompt_len + cut if cut else len(one.tokens)
+        assert both.tokens == one.tokens[:n]
+        torch.testing.assert_close(both.features.float(), one.features[: n - 1].float(), atol=2e-3, rtol=1e-3)
+        assert torch.equal(both.top_ids[:, 0], one.top_ids[: n - 1, 0])
+    assert len(together[0].tokens) == len(prompts[0]) + 3

@@ -96,42 +96,67 @@ def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) 
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
+class Rows:
+    """What each prompt of a batch has made so far, by its index in the batch (rows leave the running batch as they
+    finish, so a running row's index there is not its index here)."""
+
+    def __init__(self, n: int):
+        self.feats, self.tops, self.probs, self.tokens = ([[] for _ in range(n)] for _ in range(4))
+
+    def add(self, active: list[int], feats, top, p, token) -> None:
+        token_list = token.tolist()
+        for j, r in enumerate(active):
+            if feats is not None:
+                self.feats[r].append(feats[j])
+            self.tops[r].append(top[j])
+            self.probs[r].append(p[j])
+            self.tokens[r].append(token_list[j])
+
+
 def generate(model, batch: Batch, layers: tuple[int, ...], eos: set[int], generator: torch.Generator,
-             deadline: float = float("inf")) -> list[Sequence]:  # fmt: skip
+             deadline: float = float("inf"), compact: float = 0.25) -> list[Sequence]:  # fmt: skip
     """The target answers a batch of prompts, left-padded, over a KV cache; each pass's hidden states of `layers`
-    and top-k next-token probabilities are kept. Stops at EOS per row, at max_new_tokens, or at `deadline`
-    (time.perf_counter()), keeping what each row has so far."""
+    and top-k next-token probabilities are kept. A row stops at EOS or max_new_tokens, all at `deadline`
+    (time.perf_counter()), keeping what they have so far. Once `compact` of the running rows have finished they
+    leave the batch (their keys and values too): answers end at very different lengths, and a finished row
+    costs a running one's compute."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
-    b = len(batch.prompts)
     ids, mask = _left_pad(batch.prompts, 0)
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
-    feats, tops, probs, new = [], [], [], []  # per pass: (B, rows, F), (B, K) x2, (B,)
-    done = torch.zeros(b, dtype=torch.bool, device=device)
+    rows, active = Rows(len(batch.prompts)), list(range(len(batch.prompts)))
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
                     output_hidden_states=True, logits_to_keep=1)  # fmt: skip
+        prompt_feats = torch.cat([out.hidden_states[i] for i in layers], -1).float()  # (B, width, F)
         prompt_top = _prompt_labels(model, out.hidden_states[-1][:, :-1])  # (B, width - 1, K) x2
+        finished = torch.zeros(len(active), dtype=torch.bool)
         for step in range(batch.max_new_tokens):
-            feats.append(torch.cat([out.hidden_states[i] for i in layers], -1))  # (B, rows, F)
+            feats = None if step == 0 else torch.cat([out.hidden_states[i][:, -1] for i in layers], -1).float()
             logits = out.logits[:, -1].float()  # (B, V)
             p, top = torch.softmax(logits, -1).topk(TOP_K, -1)
-            tops.append(top.to(torch.int32))
-            probs.append(p.to(torch.float16))
             token = _pick(logits, batch.temperature, generator)
-            token = torch.where(done, torch.zeros_like(token), token)
-            new.append(token)
-            done |= torch.tensor([int(t) in eos for t in token.tolist()], device=device)
-            if bool(done.all()) or step + 1 == batch.max_new_tokens or time.perf_counter() > deadline:
+            running = ~finished
+            keep = [j for j in range(len(active)) if running[j]]
+            rows.add([active[j] for j in keep], None if feats is None else feats[keep], top[keep].to(torch.int32),
+                     p[keep].to(torch.float16), token[keep])  # fmt: skip
+            finished |= torch.tensor([int(t) in eos for t in token.tolist()])
+            if bool(finished.all()) or step + 1 == batch.max_new_tokens or time.perf_counter() > deadline:
                 break
-            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=device)], 1)
+            mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=device)], 1)
             positions = positions[:, -1:] + 1
+            if int(finished.sum()) >= max(1, compact * len(active)):
+                stay = torch.nonzero(~finished)[:, 0]
+                cache.batch_select_indices(stay.to(device))
+                mask, positions, token = mask[stay], positions[stay], token[stay]
+                active = [active[j] for j in stay.tolist()]
+                finished = torch.zeros(len(active), dtype=torch.bool)
             out = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions, cache=cache,
                         use_cache=True, output_hidden_states=True)  # fmt: skip
-    return _sequences(batch, feats, tops, probs, new, eos, prompt_top)
+    return _sequences(batch, prompt_feats, rows, eos, prompt_top)
 
 
 def _prompt_labels(model, final: torch.Tensor, chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,27 +176,24 @@ def _prompt_labels(model, final: torch.Tensor, chunk: int = 256) -> tuple[torch.
     return torch.cat(ids).view(b, rows, TOP_K), torch.cat(probs).view(b, rows, TOP_K)
 
 
-def _sequences(batch: Batch, feats, tops, probs, new, eos: set[int], prompt_top) -> list[Sequence]:
-    """Per-row sequences from the batch's passes (left padding and everything after a row's EOS dropped)."""
-    prompt_feats = feats[0]  # (B, width, F): the prefill's rows
+def _sequences(batch: Batch, prompt_feats: torch.Tensor, rows: Rows, eos: set[int], prompt_top) -> list[Sequence]:
+    """Per-row sequences (left padding and everything after a row's EOS dropped)."""
     width = prompt_feats.shape[1]
-    gen_feats = torch.cat(feats[1:], 1) if len(feats) > 1 else prompt_feats[:, :0]  # (B, steps - 1, F)
-    top_ids, top_p, tokens = torch.stack(tops, 1), torch.stack(probs, 1), torch.stack(new, 1)  # (B, steps, ...)
     out = []
     for i, prompt in enumerate(batch.prompts):
-        answer = tokens[i].tolist()
+        answer = rows.tokens[i]
         end = next((k + 1 for k, t in enumerate(answer) if t in eos), len(answer))
         answer = answer[:end]
         n = len(prompt) + len(answer)
         # features of every token fed: the prompt's (prefill) and the answer's but its last
-        f = torch.cat([prompt_feats[i, width - len(prompt) :], gen_feats[i, : len(answer) - 1]])  # (n - 1, F)
+        answer_feats = rows.feats[i][: len(answer) - 1]
+        f = torch.cat([prompt_feats[i, width - len(prompt) :]] + ([torch.stack(answer_feats)] if answer_feats else []))
         ids = torch.zeros((n - 1, TOP_K), dtype=torch.int32)
         p = torch.zeros((n - 1, TOP_K), dtype=torch.float16)
         ids[: len(prompt) - 1] = prompt_top[0][i, width - len(prompt) :]
         p[: len(prompt) - 1] = prompt_top[1][i, width - len(prompt) :]
-        ids[len(prompt) - 1 :] = top_ids[i, : len(answer)]
-        p[len(prompt) - 1 :] = top_p[i, : len(answer)]
-        f = f.float()
+        ids[len(prompt) - 1 :] = torch.stack(rows.tops[i][: len(answer)])
+        p[len(prompt) - 1 :] = torch.stack(rows.probs[i][: len(answer)])
         out.append(Sequence(prompt + answer, len(prompt), f.to(feature_dtype(f)), ids, p, batch.source,
                             batch.ids[i], labels_from=0))  # fmt: skip
     return out

@@ -337,7 +337,7 @@ class Forge:
     def pays(self) -> Iterator[ForgeEvent]:
         from engine.forge.pays import measure
 
-        if not self.cfg.pays or not self.held_set.items:
+        if not self.cfg.pays or not self.held_set.items or self.stop.is_set():
             return
         yield self.event("pays", f"measuring on {len(self.held_set)} held-out prompts: the head against prompt lookup, "
                          "suffix and the target alone")  # fmt: skip
@@ -346,7 +346,12 @@ class Forge:
         def progress(done: int, total: int, what: str) -> None:
             self.notify(ForgeEvent("pays", f"{done}/{total} {what}", done / total if total else 1.0))
 
-        result = measure(self.cfg, self.held_set, self.summary, progress, self.stop)
+        from engine.measure.bench import Stopped
+
+        try:
+            result = measure(self.cfg, self.held_set, self.summary, progress, self.stop)
+        except Stopped:  # the head is written already; only the measurement is cut short
+            return
         result["wall_s"] = round(time.perf_counter() - started, 1)
         self.summary["pays"] = result
         from engine.forge.export import write_card
