@@ -21,8 +21,17 @@ quiet_queue(demo)
 
 
 def preload() -> None:
+    """Load the bundled model on the engine thread, where every run's torch work goes, saying what it does
+    (ENGINE.note): a first Run pressed meanwhile waits behind it and shows that, with the conversion's and the
+    layout timing's progress."""
+
+    def load():
+        say = lambda message: ENGINE.note(f"loading the bundled model at start-up: {message}")  # noqa: E731
+        say("starting")
+        return MODELS.get(BUNDLED, progress=say)
+
     try:
-        ENGINE.call(MODELS.get, BUNDLED)  # on the engine thread, where every run's torch work goes
+        ENGINE.call(load)
     except Exception as exc:  # noqa: BLE001 - the UI reports load errors at run time
         print(f"preloading {BUNDLED} failed: {exc}")
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import weakref
 from dataclasses import replace
 from typing import Iterator
 
 from engine.backends import backend_for
-from engine.backends.transformers import guarded
+from engine.backends.transformers import guarded, widest_pass
 from engine.decoding.metrics import RunResult, StepEvent, summarise
+from engine.decoding.runtime import capacity
 from engine.events import Comparison, Done, Event, RunDone, RunStarts, Status, Step
 from engine.measure.trust import OtherLoad, suspicions
 from engine.settings import Settings, check_prompt
@@ -63,6 +65,80 @@ def warm_up(backend, ids: list[int], s: Settings) -> Iterator[Status]:
                           backend.decode))  # fmt: skip
 
 
+class WarmUps:
+    """The warm-ups done in this process, so that a comparison warms up once and not before every run.
+
+    A warm-up brings the device to the steady state the clocks should measure: kernels chosen and loaded for
+    each pass size, caches and allocator pools of the run's size, on a GPU the compiled sizes and CUDA graphs.
+    None of that depends on the prompt. It depends on the models (the objects in memory: a reloaded model is
+    new), dtype, device, compile, the drafter, the pass sizes (gamma, adaptive, strict mode), greedy or sampled,
+    and the cache capacity, which caches round up to a power of two (engine.decoding.runtime.new_cache). While
+    those stay the same, the next comparison reuses the warm-up. Only the in-process backend is keyed: a
+    server keeps its own state, and its warm-up is a few tokens."""
+
+    def __init__(self, keep: int = 32):
+        self.keep = keep
+        self._done: dict[tuple, list] = {}  # key -> weak references to the models it warmed
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(backend, ids: list[int], s: Settings) -> tuple | None:
+        pair = getattr(backend, "pair", None)
+        if pair is None or not hasattr(backend, "prepare"):
+            return None
+        models = [m for m in (pair.target.model, getattr(pair.draft, "model", None), getattr(pair, "head", None))
+                  if m is not None]  # fmt: skip
+        need = capacity(len(ids), s.max_new_tokens)
+        cache = max(256, 1 << (need - 1).bit_length())
+        return (tuple(id(m) for m in models), s.dtype, s.device, s.compile, s.drafter, widest_pass(s), s.strict,
+                s.temperature > 0, cache), models  # fmt: skip
+
+    def done(self, key) -> bool:
+        if key is None:
+            return False
+        with self._lock:
+            refs = self._done.get(key[0])
+            return refs is not None and all(ref() is not None for ref in refs)
+
+    def add(self, key) -> None:
+        if key is None:
+            return
+        try:
+            refs = [weakref.ref(m) for m in key[1]]
+        except TypeError:  # an object that takes no weak reference: not remembered, warmed every time
+            return
+        with self._lock:
+            self._done[key[0]] = refs
+            while len(self._done) > self.keep:
+                self._done.pop(next(iter(self._done)))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._done.clear()
+
+
+WARM_UPS = WarmUps()
+
+
+def warm_once(backend, ids: list[int], s: Settings) -> Iterator[Status]:
+    """Warm up unless a comparison in this process already did for the same key (WarmUps); says which. Sets
+    backend.warm_up to "done" or "reused" for the comparison's record."""
+    key = WARM_UPS.key(backend, ids, s)
+    if WARM_UPS.done(key):
+        # the steady state holds; only this prompt's length may be new: one prefill, so that the baseline's
+        # first token does not pay for a pass size the speculative run then finds ready
+        steps = backend.baseline(ids, s)
+        next(steps, None)
+        steps.close()
+        backend.warm_up = "reused"
+        return
+    yield Status(f"warming up: {WARM_STEPS} steps of each run, once for this model, dtype, pass sizes and cache size"
+                 if key else "warming up")  # fmt: skip
+    yield from warm_up(backend, ids, s)
+    WARM_UPS.add(key)
+    backend.warm_up = "done"
+
+
 def open_backend(s: Settings):
     """Validate and open the settings' backend, without the status events."""
     backend = backend_for(s.validate())
@@ -84,8 +160,7 @@ def stream_compare(s: Settings, prompt: str, stop: threading.Event | None = None
         ids = backend.encode(prompt, s)
         started = time.time()
         if s.warmup:
-            yield Status("warming up")
-            yield from warm_up(backend, ids, s)
+            yield from warm_once(backend, ids, s)
         yield RunStarts("baseline")
         load = OtherLoad()
         baseline = None
@@ -98,7 +173,8 @@ def stream_compare(s: Settings, prompt: str, stop: threading.Event | None = None
             for event in run("speculative", backend.speculative(ids, s, baseline.token_ids, stop), backend.decode):
                 speculative = event.result if isinstance(event, RunDone) else speculative
                 yield event
-        c = Comparison(s, prompt, baseline, speculative, backend.environment, started, time.time(),
+        environment = backend.environment | {"warm_up": getattr(backend, "warm_up", "off")}
+        c = Comparison(s, prompt, baseline, speculative, environment, started, time.time(),
                        backend.loaded, load.share())  # fmt: skip
         c.suspect = suspicions(c)
         c.verdict = c.judge(backend.decode)

@@ -12,7 +12,9 @@ So loading, warming up, decoding, timing passes and Hugging Face's `generate()` 
 `next()` (the decoding loops keep their lock-step with the consumer: a loop's clocks stop while the
 consumer renders), `submit` starts a function there and returns at once. Called from the engine thread
 itself, each runs inline. Jobs run one at a time, in the order they come, which is also what a device
-wants: two generations at once would each slow the other.
+wants: two generations at once would each slow the other. A job may say what it is doing (`note`); a caller
+whose job waits behind it is told (`in_thread`), so that a first click during the start-up's model load reads
+what the engine does, not a bare "loading".
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ class EngineThread:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self.doing = ""  # what the job now running last said it does (note); "" between jobs
+
+    def note(self, message: str) -> None:
+        """Say what the running job is doing, for callers waiting behind it."""
+        self.doing = message
 
     def on_it(self) -> bool:
         return threading.current_thread() is self._thread
@@ -83,6 +90,7 @@ class EngineThread:
             future, job = self._jobs.get()
             if future.set_running_or_notify_cancel():
                 _fulfil(future, job)
+            self.doing = ""
 
 
 def _fulfil(future: Future, job: Callable) -> None:
@@ -109,6 +117,17 @@ def in_thread(work) -> Generator[Status, None, object]:
     messages: queue.Queue = queue.Queue()
     job = ENGINE.submit(work, messages.put)
     job.add_done_callback(lambda _: messages.put(None))
-    while (message := messages.get()) is not None:
+    relayed = ""
+    while True:
+        try:
+            message = messages.get(timeout=0.5)
+        except queue.Empty:  # still waiting behind another job: say what that one does, once per message
+            doing = ENGINE.doing
+            if not job.running() and not job.done() and doing and doing != relayed:
+                relayed = doing
+                yield Status(f"waiting for the engine: {doing}")
+            continue
+        if message is None:
+            break
         yield Status(message)
     return job.result()

@@ -261,7 +261,8 @@ def choose_forms(model, key: str, cache_file: Path, progress=lambda message: Non
     else:
         layers = wrap_linears(model, forms)
         if layers:
-            progress("timing the linear layers in each weight layout and pass size (once per architecture and CPU)")
+            progress(f"timing this CPU's weight layouts at each pass size, once (~{_estimate(model, forms):.0f} s; "
+                     "remembered for later loads)")  # fmt: skip
             table, pad, measured = _measure(model, layers, forms)
             entry = {"table": list(table), "pad": list(pad)}
             _write(cache_file, dict(list(known.items())[-255:]) | {key: entry})  # the latest 256 choices
@@ -271,6 +272,17 @@ def choose_forms(model, key: str, cache_file: Path, progress=lambda message: Non
         layer.keep_only(table)
         layer.pad = pad
     return {"layers": layers, "table": table, "pad": pad, "linear_forms": describe(table, pad), "measured": measured}
+
+
+def _estimate(model, forms: tuple[str, ...]) -> float:
+    """Seconds _measure will take, from one pass of the smallest and the largest size (a tenth of a second): a
+    first load says how long it keeps the user waiting."""
+    from engine.decoding.runtime import time_passes
+
+    with torch.inference_mode():
+        one = time_passes(model, (1, PAD_ROWS), repeats=1, warmup=0)
+    passes = (1 + 5) * len(forms) * PAD_ROWS  # as _measure: a warm-up round and five timed, every form and size
+    return max(5.0, round(1.2 * passes * (one[1] + one[PAD_ROWS]) / 2 / 5) * 5)  # +20%: the padding's second look
 
 
 def _measure(model, layers: list[CpuLinear], forms: tuple[str, ...]):

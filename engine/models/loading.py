@@ -150,10 +150,11 @@ def bundled_folder(progress: Progress = _quiet) -> Path:
         _plain_config(folder)
         return folder
     gguf_dir = bundled_gguf().parent
-    progress(f"converting bundled {BUNDLED_GGUF} to safetensors (once, ~15 s)")
+    progress(f"converting bundled {BUNDLED_GGUF} to safetensors, once (~15 s): 1/3 de-quantising its tensors")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     quantised = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=BUNDLED_GGUF, dtype=torch.float32)
+    progress(f"converting bundled {BUNDLED_GGUF} to safetensors, once: 2/3 reading its tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=BUNDLED_GGUF)
     # save_pretrained refuses a GGUF-loaded model: rebuild a plain one with the same (dequantised) weights.
     plain = AutoModelForCausalLM.from_config(quantised.config, dtype=torch.float32)
@@ -161,6 +162,7 @@ def bundled_folder(progress: Progress = _quiet) -> Path:
     plain.generation_config = quantised.generation_config
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    progress(f"converting bundled {BUNDLED_GGUF} to safetensors, once: 3/3 writing {folder}")
     plain.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     _plain_config(tmp)
