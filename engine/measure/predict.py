@@ -95,18 +95,26 @@ def fit(cells: list) -> dict:
         "best_speedup": measured.get(best_measured) if best_measured else None,
         "best_predicted_gamma": best_predicted["gamma"],
         "best_predicted_speedup": best_predicted["predicted"],
-        "verdict": verdict(alpha, c, verify, best_measured, measured, best_predicted, c_known=bool(ratios)),
+        "verdict": verdict(alpha, c, verify, best_measured, measured, best_predicted, c_known=bool(ratios),
+                           pairs=len(samples), tested=tested),  # fmt: skip
     }
 
 
-def verdict(alpha, c, verify, best_gamma, measured, best_predicted, c_known: bool = True) -> str:
-    """One plain sentence: which gamma to use, or why nothing wins here."""
+FEW_PAIRS, FEW_TESTED = 2, 20  # below either, a verdict says its sample is too small to conclude from
+
+
+def verdict(alpha, c, verify, best_gamma, measured, best_predicted, c_known: bool = True, pairs: int = FEW_PAIRS,
+            tested: int = FEW_TESTED) -> str:  # fmt: skip
+    """One plain sentence from the numbers it shows: which gamma to use, or why nothing wins here; and whether the
+    sample (`pairs` A/B pairs, `tested` draft tokens the target checked) is too small to conclude anything."""
+    few = (f" Too few samples to conclude ({pairs} A/B pair(s), {tested} draft token(s) checked): add prompts, "
+           "repeats or new tokens." if pairs < FEW_PAIRS or tested < FEW_TESTED else "")  # fmt: skip
     cost = f"c {c:.3f}" if c_known else "drafting timed within each step"
     if best_gamma is not None and measured[best_gamma] > 1.0:
         return (
             f"use gamma {best_gamma}: measured {measured[best_gamma]:.2f}x "
             f"(alpha {alpha:.2f}, {cost}; the model predicts {best_predicted['predicted']:.2f}x at "
-            f"gamma {best_predicted['gamma']})."
+            f"gamma {best_predicted['gamma']})." + few
         )
     if not c_known:  # a server backend: drafting is timed inside each step
         g = max(verify, key=verify.get) if verify else 1
@@ -119,13 +127,17 @@ def verdict(alpha, c, verify, best_gamma, measured, best_predicted, c_known: boo
                    f"tokens it brings at alpha = {alpha:.2f}")  # fmt: skip
     elif alpha <= c:
         why = f"c = {c:.2f} is not below alpha = {alpha:.2f}: drafting a token costs more than it is worth"
-    else:
-        v = max(verify.values()) if verify else 1.0
-        why = (
-            f"alpha = {alpha:.2f} is too low for the cost of drafting (c = {c:.2f}) and verifying "
-            f"(up to {v:.2f} target steps per pass)"
-        )
-    return f"break-even: this pair cannot win here because {why}. Best measured {max(measured.values()):.2f}x."
+    else:  # compare what a drafting step brings with what it costs, at the gamma that did best
+        g = best_gamma if best_gamma is not None else min(verify, default=1)
+        brings, costs = expected_tokens([], alpha, g), g * c + interpolate(verify, g)
+        if brings <= costs:
+            why = (f"at gamma {g} a step brings {brings:.2f} tokens (alpha = {alpha:.2f}) and costs {costs:.2f} "
+                   f"one-token steps (drafting c = {c:.2f} a token, then verifying)")  # fmt: skip
+        else:
+            why = (f"its drafting steps pay (at gamma {g} one brings {brings:.2f} tokens at alpha = {alpha:.2f} and "
+                   f"costs {costs:.2f} one-token steps), but too few steps found a draft, or the time around the "
+                   "passes outweighs them")  # fmt: skip
+    return f"break-even: this pair cannot win here because {why}. Best measured {max(measured.values()):.2f}x." + few
 
 
 def fit_all(cells: list) -> list[dict]:
