@@ -51,29 +51,48 @@ HISTORY_COLUMNS = [
 
 
 class StopFlags:
-    """One stop flag per browser session, so a Stop from one user never stops another's run."""
+    """One stop flag per browser session, so a Stop from one user never stops another's run. A press of Run
+    reserves the session's flag before its run waits for the device (`reserve`), so that Stop also reaches a run
+    that has not started yet."""
 
     def __init__(self):
         self._flags: dict[str, threading.Event] = {}
+        self._started: set[str] = set()
         self._lock = threading.Lock()
 
-    def start(self, session: str) -> threading.Event:
+    def reserve(self, session: str) -> None:
         with self._lock:
-            flag = self._flags[session] = threading.Event()
+            if session not in self._started:
+                self._flags[session] = threading.Event()
+
+    def start(self, session: str) -> threading.Event:
+        """The session's flag for a run that starts now: the reserved one (perhaps already set: stopped while it
+        waited), or a new one."""
+        with self._lock:
+            flag = self._flags.get(session) if session not in self._started else None
+            flag = self._flags[session] = flag or threading.Event()
+            self._started.add(session)
             return flag
 
-    def stop(self, session: str) -> bool:
+    def running(self, session: str) -> bool:
+        with self._lock:
+            return session in self._started
+
+    def stop(self, session: str) -> str | None:
+        """Set the session's flag; "running", "waiting" (reserved, not started) or None (nothing to stop)."""
         with self._lock:
             flag = self._flags.get(session)
+            started = session in self._started
         if flag is None:
-            return False
+            return None
         flag.set()
-        return True
+        return "running" if started else "waiting"
 
     def finish(self, session: str, flag: threading.Event) -> None:
         with self._lock:
             if self._flags.get(session) is flag:
                 del self._flags[session]
+                self._started.discard(session)
 
 
 STOPS = StopFlags()
@@ -106,10 +125,12 @@ class Live:
     number: int = 0  # this session's run number, shown in the status line
     error: UserError | None = None  # what made the run fail, if it did
     started: float = field(default_factory=time.monotonic)
+    begun: bool = False  # a timed run has started (before: loading and warming up)
 
     def add(self, event: Event) -> None:
         if isinstance(event, (Status, RunStarts)):
             self.status = event.message
+            self.begun = self.begun or isinstance(event, RunStarts)
         elif isinstance(event, Step):
             self.running = event.mode
             self.steps[event.mode].append(event.event)
@@ -140,16 +161,21 @@ class Live:
         engine = {"vllm": "vLLM", "llama.cpp": "llama.cpp"}.get(done.environment.get("backend")) if done else None
         if engine:
             hint += render.unreported(engine)
+        # an empty pane says what is happening (on a phone the status line may be out of view)
+        before = f"{self.status}…" if self.status and not self.begun else "waiting…"
         base_pane = render.pane(
             "Baseline (target alone)",
             render.baseline_tokens(self.steps["baseline"]),
             render.stats_line(base.metrics if base else None, self.running == "baseline"),
+            waiting=before,
         )
         spec_pane = render.pane(
             "Speculative (draft + target)",
             render.speculative_tokens(self.steps["speculative"]),
             render.stats_line(spec.metrics if spec else None, self.running == "speculative"),
             hint,
+            waiting=before if not self.begun else "not run: the baseline was stopped" if done else
+            "starts when the baseline ends…",
         )
         summary = render.summary(
             base.metrics if base else None,
@@ -205,7 +231,7 @@ def _error(exc: UserError) -> gr.Error:
     """The message for an API caller. The page shows it once, where it belongs (under the field at fault, or in
     the status line), so no toast repeats it."""
     where = f" (field: {exc.field})" if exc.field else ""
-    return gr.Error(f"{exc}{where}", visible=False)
+    return gr.Error(f"{exc}{where}", visible=False, print_exception=False)
 
 
 # Where each setting sits in the sidebar (fields not named here sit at its top, always in view); a field error
@@ -224,26 +250,49 @@ def reveal(field: str | None) -> tuple:
     return (sidebar, *(gr.update(open=True) if g == group else gr.skip() for g in GROUPS))
 
 
+def refused(exc: UserError) -> tuple:
+    """(status, field error, sidebar, groups) for a value refused before any run started: the message once,
+    under the field at fault, which is opened into view; the status line only points at it; no run counted.
+    The server log gets one line, not a traceback (it is the user's to fix, not a fault of ours)."""
+    label = LABELS.get(exc.field, exc.field) if exc.field else ""
+    log.warning("refused: %s%s", exc, f" (field: {exc.field})" if exc.field else "")
+    text = f"not started: check {label}, as marked" if label else f"not started: {exc}"
+    return render.status_line(text, error=True), render.field_error(exc), *reveal(exc.field)
+
+
 def compare(prompt, history, request: gr.Request, **form):
     """Run baseline then speculative and stream both. Yields (result, status, panes, summary, chart, history,
     history table, downloads, field error, run-again button, sidebar, groups)."""
     history = list(history or [])
     skip = (gr.skip(),) * 7
     keep = (gr.skip(),) * (2 + len(GROUPS))  # run-again button, sidebar, groups: as they are
-    try:
-        check_prompt(prompt)
-        s = settings_from(**form)
-    except UserError as exc:  # nothing ran: mark the field (the message sits under it), count no run
-        label = LABELS.get(exc.field, exc.field) if exc.field else ""
-        text = f"not started: check {label}, as marked" if label else f"not started: {exc}"
-        yield (gr.skip(), render.status_line(text, error=True), *skip, render.field_error(exc), gr.skip(),
-               *reveal(exc.field))  # fmt: skip
-        raise _error(exc) from None
     session = session_of(request)
     stop = STOPS.start(session)
+    try:
+        if stop.is_set():  # Stop was pressed while this run waited for the device
+            yield (gr.skip(), render.status_line("not started: stopped while it waited for the device"), *skip, "",
+                   *keep)  # fmt: skip
+            return
+        try:
+            check_prompt(prompt)
+            s = settings_from(**form)
+        except UserError as exc:  # nothing ran: mark the field (the message sits under it), count no run
+            status, error, *opened = refused(exc)
+            yield (gr.skip(), status, *skip, error, gr.skip(), *opened)
+            raise _error(exc) from None
+        RUNNING[session] = {"prompt": prompt, **form}
+        yield from _stream(s, prompt, history, session, stop)
+    finally:
+        RUNNING.pop(session, None)
+        STOPS.finish(session, stop)
+
+
+def _stream(s: Settings, prompt: str, history: list, session: str, stop: threading.Event):
+    skip = (gr.skip(),) * 7
+    keep = (gr.skip(),) * (2 + len(GROUPS))
     live, last_text, last_chart = Live(number=len(history) + 1), 0.0, 0.0
     live.status = "starting"
-    yield (gr.skip(), live.status_line(), *skip, "", gr.update(visible=False), *keep[1:])
+    yield (gr.skip(), *live.outputs(chart=False), *skip[:3], "", gr.update(visible=False), *keep[1:])
     try:
         for event in stream_compare(s, prompt, stop, memory=memory_for(session)):
             live.add(event)
@@ -256,25 +305,84 @@ def compare(prompt, history, request: gr.Request, **form):
             if isinstance(event, RunStarts):
                 time.sleep(SETTLE)  # the run's clocks start when the next event is asked for
     except Exception as exc:  # noqa: BLE001 - the app must keep serving
+        if isinstance(exc, UserError) and exc.field and not live.begun:
+            # a value the pair refused while opening (an unknown Hub id, a prompt past the context): as a
+            # refused field, not a run
+            status, error, *opened = refused(exc)
+            yield (gr.skip(), status, *Live().outputs()[1:], *skip[:3], error, gr.skip(), *opened)
+            raise _error(exc) from None
         if not isinstance(exc, UserError):
             log.exception("comparison failed")
             exc = UserError(f"the run failed unexpectedly ({type(exc).__name__}: {exc}); the app is still running.")
+        else:
+            log.warning("run %d failed: %s", live.number, exc)
         live.status, live.error = f"failed: {exc}", exc
         history.append(history_row(s, "failed"))
         yield (gr.skip(), *live.outputs(), history, history, write_downloads(None, history),
                render.field_error(exc) if exc.field else "", gr.skip(), *reveal(exc.field))  # fmt: skip
         raise _error(exc) from None
-    finally:
-        STOPS.finish(session, stop)
     c = live.comparison
     history.append(history_row(s, c.status + (" (suspect)" if c.suspect else ""), c))
     yield (api_result(c), *live.outputs(), history, history, write_downloads(c, history), "",
            gr.update(visible=bool(c.suspect)), *keep[1:])  # fmt: skip
 
 
-def stop(request: gr.Request) -> str:
-    stopped = STOPS.stop(session_of(request))
-    return render.status_line("stopping after the current step…" if stopped else "nothing is running")
+# What each session's running comparison was started with (the prompt and the form, as sent): a field changed
+# since then applies to the next run, and the page says so.
+RUNNING: dict[str, dict] = {}
+
+
+def changed_since_run(prompt, request: gr.Request, **form) -> str:
+    """The note under the status line while a run goes: which settings now differ from the running ones."""
+    started = RUNNING.get(session_of(request))
+    if not started:
+        return ""
+    now = {"prompt": prompt, **form}
+    names = [LABELS.get(name, name) for name in now if name in started and now[name] != started[name]]
+    return render.next_run_note(names)
+
+
+def announce(request: gr.Request) -> tuple:
+    """At the press of Run, before the run waits for the device: (Run button, status line, note). Run says that
+    it runs; where another run holds the device, the status line says this one waits, and its place in line."""
+    session = session_of(request)
+    if STOPS.running(session):  # Enter in the prompt during this session's run: it runs next
+        return gr.skip(), gr.skip(), render.next_run_note([], queued=True)
+    STOPS.reserve(session)
+    ahead = device_jobs(request)
+    status = "starting" if not ahead else \
+        f"queued, {ordinal(ahead + 1)} in line: another session's run holds the device; this one starts after"
+    return gr.update(value="running…", interactive=False), render.status_line(status), gr.skip()
+
+
+def settle() -> tuple:
+    """After a run, however it ended: (Run button, note) as before it."""
+    return gr.update(value="Run", interactive=True), ""
+
+
+def ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def device_jobs(request) -> int:
+    """Runs and sweeps that hold the device or wait for it (Gradio's queue for concurrency id "device");
+    0 where the queue cannot be read."""
+    try:
+        queue = request.request.app.get_blocks()._queue
+        jobs = queue.event_queue_per_concurrency_id["device"]
+        return jobs.current_concurrency + len(jobs.queue)
+    except (AttributeError, KeyError, TypeError):
+        return 0
+
+
+def stop(request: gr.Request) -> tuple:
+    """(status, Run button): a running run stops after its current step, a waiting one never starts."""
+    state = STOPS.stop(session_of(request))
+    if state == "running":
+        return render.status_line("stopping after the current step…"), gr.update(value="stopping…")
+    if state == "waiting":
+        return render.status_line("stopped: the run waiting for the device will not start"), gr.skip()
+    return render.status_line("nothing is running"), gr.skip()
 
 
 def forget(request: gr.Request) -> str:
@@ -309,13 +417,14 @@ def check_pair(**form):
         s = settings_from(**form)
         draft = s.draft if s.uses_draft else None
         if s.backend == "llama.cpp":
-            return markdown(diagnose_gguf(s.target, draft))
-        return markdown(diagnose(s.target, draft, s.dtype, tokens=s.max_new_tokens + 1024, head=s.uses_head))
+            return render.text_marks(markdown(diagnose_gguf(s.target, draft)))
+        return render.text_marks(markdown(diagnose(s.target, draft, s.dtype, tokens=s.max_new_tokens + 1024,
+                                                   head=s.uses_head)))  # fmt: skip
     except UserError as exc:
-        return f"❌ {exc}"
+        return render.text_marks(f"❌ {exc}")
     except Exception as exc:  # noqa: BLE001 - a broken config must not take the app down
         log.exception("pair check failed")
-        return f"❌ the pair check failed ({type(exc).__name__}: {exc})."
+        return render.text_marks(f"❌ the pair check failed ({type(exc).__name__}: {exc}).")
 
 
 def memory_tick():

@@ -7,7 +7,11 @@ measuring is engine.measure.bench; this module lays out, wires and draws.
 from __future__ import annotations
 
 import logging
+import queue
 import tempfile
+import threading
+import time
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,14 +19,16 @@ from types import SimpleNamespace
 import gradio as gr
 import plotly.graph_objects as go
 
+from app import render
 from app.gpu import on_gpu, sweep_seconds
-from app.handlers import STOPS, session_of, settings_from
+from app.handlers import RENDER_EVERY, STOPS, session_of, settings_from
+from app.handlers import _error as api_error
 from engine import presets
 from engine.errors import UserError
 from engine.measure import report
 from engine.measure.bench import Stopped, sweep
 from engine.measure.load import load_curve
-from engine.settings import Settings
+from engine.settings import LABELS, Settings
 from engine.worker import ENGINE
 
 log = logging.getLogger("specarena")
@@ -42,7 +48,8 @@ CELL_COLUMNS = ["drafter", "γ", "temperature", "confidence stop", "speedup ×",
                 "base tok/s", "spec tok/s", "lossless"]  # fmt: skip
 LOAD_COLUMNS = ["at a time", "speedup ×", "base tok/s", "spec tok/s", "base p50 s", "base p99 s", "spec p50 s",
                 "spec p99 s"]  # fmt: skip
-CATEGORY_COLUMNS = ["category", "speedup ×", "min", "max", "samples", "acceptance", "expected"]
+# "usually": where speculation usually wins or loses on such tasks (presets), not what this sweep measured
+CATEGORY_COLUMNS = ["category", "speedup ×", "min", "max", "samples", "acceptance", "usually"]
 
 
 def build_layout() -> SimpleNamespace:
@@ -50,28 +57,35 @@ def build_layout() -> SimpleNamespace:
     gr.Markdown(HELP)
     ui.uses = gr.Markdown(elem_id="lab-uses")
     with gr.Row():
-        ui.gammas = gr.CheckboxGroup(GAMMAS, value=[1, 2, 4, 8], label="γ values")
-        ui.temperatures = gr.Textbox("0", label="temperatures", info="comma-separated, e.g. 0, 0.7")
+        ui.gammas = gr.CheckboxGroup(GAMMAS, value=[1, 2, 4, 8], label="γ values", elem_id=field_id("gammas"))
+        ui.temperatures = gr.Textbox("0", label="temperatures", info="comma-separated, e.g. 0, 0.7",
+                                     elem_id=field_id("temperatures"))
         ui.drafters = gr.CheckboxGroup(
             [("draft model", "draft-model"), ("prompt lookup", "prompt-lookup"), ("suffix", "suffix"),
              ("synthetic α", "synthetic"),
              ("n-gram mod (llama.cpp)", "ngram-mod"), ("n-gram map-k (llama.cpp)", "ngram-map-k")],
             value=["prompt-lookup"],
             label="drafters",
+            elem_id=field_id("drafters"),
         )  # fmt: skip
         ui.p_mins = gr.Textbox("0", label="confidence stops (draft model)", info="comma-separated, e.g. 0, 0.5: "
-                               "stop drafting below this top probability")  # fmt: skip
+                               "stop drafting below this top probability", elem_id=field_id("p_mins"))  # fmt: skip
     with gr.Row():
         ui.categories = gr.Dropdown(presets.categories(), value=["rewriting", "creative_writing"], multiselect=True,
-                                    label="task categories")  # fmt: skip
-        ui.per_category = gr.Slider(1, 5, value=1, step=1, label="prompts per category")
-        ui.repeats = gr.Slider(1, 10, value=2, step=1, label="A/B repeats per prompt")
-        ui.max_new_tokens = gr.Slider(8, 512, value=48, step=8, label="max new tokens")
+                                    label="task categories", elem_id=field_id("categories"))  # fmt: skip
+        ui.per_category = gr.Slider(1, 5, value=1, step=1, label="prompts per category",
+                                    elem_id=field_id("per_category"))
+        ui.repeats = gr.Slider(1, 10, value=2, step=1, label="A/B repeats per prompt", elem_id=field_id("repeats"))
+        ui.max_new_tokens = gr.Slider(8, 512, value=48, step=8, label="max new tokens",
+                                      elem_id=field_id("max_new_tokens"))
         ui.concurrency = gr.Textbox("", label="concurrency (vLLM backend)", placeholder="e.g. 1,2,4,8",
-                                    info="requests at a time: after the sweep, a load curve of its best setting")
+                                    info="requests at a time: after the sweep, a load curve of its best setting",
+                                    elem_id=field_id("concurrency"))
     with gr.Row():
         ui.run = gr.Button("Run sweep", variant="primary", elem_id="lab-run")
         ui.stop = gr.Button("Stop", variant="stop", elem_id="lab-stop")
+    ui.form_error = gr.HTML("", elem_id="lab-form-error", padding=False)
+    ui.status = gr.HTML(render.status_line(""), elem_id="lab-status", padding=False)
     ui.verdict = gr.Markdown(elem_id="lab-verdict")
     ui.cells = gr.Dataframe(headers=CELL_COLUMNS, label="cells", interactive=False)
     with gr.Row():
@@ -194,57 +208,160 @@ def snippets_markdown(data: dict) -> str:
     return report.snippets_markdown(data).replace("# Best setting", "### Best setting")
 
 
+# The Lab's own fields (elem ids lab-field-<name>); a Settings field the sweep sets from them is marked on them
+LAB_FIELDS = {"gammas": "γ values", "temperatures": "temperatures", "drafters": "drafters",
+              "p_mins": "confidence stops", "categories": "task categories", "per_category": "prompts per category",
+              "repeats": "A/B repeats", "max_new_tokens": "max new tokens", "concurrency": "concurrency"}  # fmt: skip
+SWEPT = {"gamma": "gammas", "temperature": "temperatures", "drafter": "drafters", "p_min": "p_mins",
+         "max_new_tokens": "max_new_tokens"}  # fmt: skip
+OUTPUTS = 10  # what it used, verdict, tables, charts, snippets, files: before the status line and field marks
+
+
+def field_id(name: str) -> str:
+    return f"lab-field-{name}"
+
+
+def marked(exc: UserError) -> tuple[str, str]:
+    """(status line, field mark) as the Playground shows a refused value: the message once, under the field at
+    fault (the Lab's, or the sidebar's for the pair and sampling settings), the status line pointing at it. The
+    server log gets one line."""
+    log.warning("sweep refused: %s%s", exc, f" (field: {exc.field})" if exc.field else "")
+    field = SWEPT.get(exc.field, exc.field)
+    if field in LAB_FIELDS:
+        where, label = field_id(field), LAB_FIELDS[field]
+    elif field:
+        where, label = render.field_id(field), f"{LABELS.get(field, field)} (in the settings)"
+    else:
+        return render.status_line(f"not started: {exc}", error=True), ""
+    return render.status_line(f"not started: check {label}, as marked", error=True), render.field_error(exc, where)
+
+
+def plan(gammas, temperatures, drafters, categories, per_category, repeats, sweep_max_new_tokens, concurrency,
+         p_mins, form) -> tuple:  # fmt: skip
+    """The sweep's values checked: (base settings, prompts, gammas, temperatures, confidence stops, load levels);
+    a UserError that names the field at fault otherwise."""
+    try:
+        temps = [float(t) for t in str(temperatures or "").replace(" ", "").split(",") if t]
+    except ValueError:
+        raise UserError(f"temperatures {temperatures!r}: write numbers separated by commas, e.g. 0, 0.7.",
+                        field="temperatures") from None  # fmt: skip
+    try:
+        stops = [float(p) for p in str(p_mins or "0").replace(" ", "").split(",") if p] or [0.0]
+    except ValueError:
+        raise UserError(f"confidence stops {p_mins!r}: write numbers from 0 to 1 separated by commas, e.g. "
+                        "0, 0.5.", field="p_mins") from None  # fmt: skip
+    missing = [name for name, v in (("gammas", gammas), ("temperatures", temps), ("drafters", drafters),
+                                    ("categories", categories)) if not v]  # fmt: skip
+    if missing:
+        raise UserError("choose at least one γ, one temperature, one drafter and one task category.",
+                        field=missing[0])  # fmt: skip
+    first = "draft-model" if "draft-model" in drafters else drafters[0]
+    axes = dict(drafter=first, gamma=min(int(g) for g in gammas), temperature=temps[0],
+                max_new_tokens=sweep_max_new_tokens)  # fmt: skip
+    base = settings_from(**(form | axes))
+    prompts = presets.suite(list(categories), int(per_category))
+    if not 1 <= int(repeats) <= 10:
+        raise UserError(f"repeats {repeats} is out of range: use 1 to 10.", field="repeats")
+    levels = _levels(concurrency)
+    if levels and base.backend == "transformers":
+        raise UserError("a load curve needs a serving backend: choose vLLM on the Playground, or leave "
+                        "concurrency empty.", field="backend")  # fmt: skip
+    return base, prompts, sorted(int(g) for g in gammas), temps, stops, levels
+
+
+def with_progress(work):
+    """work(report) in a thread of its own (its torch work goes to the engine thread, as every run's); yields a
+    status line as it reports (report(done, total, what)), at most every RENDER_EVERY seconds, and returns its
+    result or raises its error."""
+    reports: queue.SimpleQueue = queue.SimpleQueue()
+    future: Future = Future()
+
+    def target():
+        try:
+            future.set_result(work(lambda done, total, what: reports.put((done, total, what))))
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller below
+            future.set_exception(exc)
+
+    threading.Thread(target=target, name="specarena-sweep", daemon=True).start()
+    latest, shown = None, 0.0
+    while not future.done() or not reports.empty():
+        try:
+            latest = reports.get(timeout=0.25)
+        except queue.Empty:
+            pass
+        if latest and time.monotonic() - shown >= RENDER_EVERY:
+            done, total, what = latest
+            yield f"sweeping, {done} of {total} done: {what}"
+            shown, latest = time.monotonic(), None
+    return future.result()
+
+
 def run_sweep(
     gammas, temperatures, drafters, categories, per_category, repeats, sweep_max_new_tokens, concurrency,
-    p_mins="0", request: gr.Request = None, progress=gr.Progress(), **form,
+    p_mins="0", request: gr.Request = None, **form,
 ):  # fmt: skip
     """Sweep the grid over the chosen task categories, on the Playground's pair and sampling settings (`form`;
     its drafter, γ, temperature and max new tokens give way to the sweep's own).
-    Returns what it used, verdict, tables, charts, snippets, files."""
+    Yields (what it used, verdict, tables, charts, snippets, files, status line, field mark): the progress in the
+    status line, then the results. A refused value is marked under its field, as on the Playground."""
+    keep = (gr.skip(),) * OUTPUTS
     try:
-        temps = [float(t) for t in str(temperatures or "").replace(" ", "").split(",") if t]
-        try:
-            stops = [float(p) for p in str(p_mins or "0").replace(" ", "").split(",") if p] or [0.0]
-        except ValueError:
-            raise UserError(f"confidence stops {p_mins!r}: write numbers from 0 to 1 separated by commas, e.g. "
-                            "0, 0.5.") from None  # fmt: skip
-        if not gammas or not drafters or not categories or not temps:
-            raise UserError("choose at least one γ, one temperature, one drafter and one task category.")
-        first = "draft-model" if "draft-model" in drafters else drafters[0]
-        axes = dict(drafter=first, gamma=min(int(g) for g in gammas), temperature=temps[0],
-                    max_new_tokens=sweep_max_new_tokens)  # fmt: skip
-        base = settings_from(**(form | axes))
-        prompts = presets.suite(list(categories), int(per_category))
-        if not 1 <= int(repeats) <= 10:
-            raise UserError(f"repeats {repeats} is out of range: use 1 to 10.", field="repeats")
-        levels = _levels(concurrency)
-        if levels and base.backend == "transformers":
-            raise UserError("a load curve needs a serving backend: choose vLLM on the Playground, or leave "
-                            "concurrency empty.", field="backend")  # fmt: skip
-    except ValueError:
-        raise gr.Error(f"temperatures {temperatures!r}: write numbers separated by commas, e.g. 0, 0.7.") from None
+        base, prompts, gammas, temps, stops, levels = plan(gammas, temperatures, drafters, categories, per_category,
+                                                           repeats, sweep_max_new_tokens, concurrency, p_mins, form)
     except UserError as exc:
-        raise gr.Error(f"{exc}" + (f" (field: {exc.field})" if exc.field else "")) from None
+        yield (*keep, *marked(exc))
+        raise api_error(exc) from None
     session = session_of(request, ":lab")
     stop = STOPS.start(session)
+    yield (*keep, render.status_line("starting the sweep"), "")
+
     try:
-        report_progress = lambda done, total, what: progress((done, total), desc=what)  # noqa: E731
-        data = ENGINE.call(sweep, base, prompts, sorted(int(g) for g in gammas), temps, list(drafters),
-                           int(repeats), report_progress, stop, p_mins=stops)  # fmt: skip
+        data = yield from _measure(base, prompts, gammas, temps, drafters, repeats, stops, levels, stop)
+    except Stopped:
+        yield (*keep, render.status_line("stopped: nothing was saved; run again with fewer cells for a quicker "
+                                         "answer"), "")  # fmt: skip
+        return
+    except UserError as exc:
+        status, mark = marked(exc)
+        yield (*keep, status.replace("not started", "failed") if mark else
+               render.status_line(f"failed: {exc}", error=True), mark)  # fmt: skip
+        raise api_error(exc) from None
+    except Exception as exc:  # noqa: BLE001 - the app keeps serving
+        log.exception("sweep failed")
+        exc = UserError(f"the sweep failed unexpectedly ({type(exc).__name__}: {exc}); the app is still running.")
+        yield (*keep, render.status_line(f"failed: {exc}", error=True), "")
+        raise api_error(exc) from None
+    finally:
+        STOPS.finish(session, stop)
+    yield (*results(data, base, prompts, repeats), render.status_line("done: the results are below"), "")
+
+
+def _measure(base, prompts, gammas, temps, drafters, repeats, stops, levels, stop):
+    """The sweep, then the load curve of its best setting where levels were asked for; yields status lines."""
+
+    def work(say):
+        data = ENGINE.call(sweep, base, prompts, gammas, temps, list(drafters), int(repeats), say, stop,
+                           p_mins=stops)  # fmt: skip
         best = report.best_setting(data)
         if levels and best:
             under_load = replace(base, **{k: best[k] for k in ("drafter", "gamma", "temperature", "p_min")})
             flat = [p for ps in prompts.values() for p in ps]
-            data["load"] = load_curve(under_load, flat, levels, int(repeats), report_progress)
-    except Stopped:
-        raise gr.Error("sweep stopped: nothing was saved; run again with fewer cells for a quicker answer.") from None
-    except UserError as exc:
-        raise gr.Error(str(exc)) from None
-    except Exception as exc:  # noqa: BLE001 - the app keeps serving
-        log.exception("sweep failed")
-        raise gr.Error(f"the sweep failed unexpectedly ({type(exc).__name__}: {exc}); the app is still running.")
-    finally:
-        STOPS.finish(session, stop)
+            data["load"] = load_curve(under_load, flat, levels, int(repeats), say)
+        return data
+
+    lines = with_progress(work)
+    keep = (gr.skip(),) * OUTPUTS
+    while True:
+        try:
+            line = next(lines)
+        except StopIteration as done:
+            return done.value
+        yield (*keep, render.status_line(line), gr.skip())
+
+
+def results(data: dict, base: Settings, prompts: dict, repeats) -> tuple:
+    """What it used, verdict, tables, charts, snippets and the report's files, from a sweep's data."""
+    best = report.best_setting(data)
     folder = tempfile.mkdtemp(prefix="specarena-lab-")
     paths = list(report.write(data, folder).values())
     curve, categories = curve_figure(data), category_figure(data)
@@ -301,18 +418,29 @@ def write_charts(folder: str, *figures: go.Figure) -> Path:
     return path
 
 
-def stop(request: gr.Request) -> None:
-    STOPS.stop(session_of(request, ":lab"))
+def stop(request: gr.Request) -> str:
+    if STOPS.stop(session_of(request, ":lab")):
+        return render.status_line("stopping after the current A/B pair…")
+    return render.status_line("nothing is running")
 
 
 def wire(ui: SimpleNamespace, play: SimpleNamespace) -> None:
     inputs = [ui.gammas, ui.temperatures, ui.drafters, ui.categories, ui.per_category, ui.repeats, ui.max_new_tokens,
               ui.concurrency, ui.p_mins]  # fmt: skip
     outputs = [ui.uses, ui.verdict, ui.cells, ui.curve, ui.category_chart, ui.category_table, ui.load_chart,
-               ui.load_table, ui.snippets, ui.files]  # fmt: skip
+               ui.load_table, ui.snippets, ui.files, ui.status, ui.form_error]  # fmt: skip
+    # as the Playground: messages in the Lab's status line and under the fields, no progress overlay or toast
     ui.run.click(on_gpu(run_sweep, sweep_seconds), inputs=inputs, inputs_kwargs=play.form, outputs=outputs,
-                 preprocess=False, api_name="sweep", concurrency_limit=1, concurrency_id="device")  # fmt: skip
-    ui.stop.click(stop, queue=False, api_visibility="private")
+                 preprocess=False, api_name="sweep", concurrency_limit=1, concurrency_id="device",
+                 show_progress="hidden")  # fmt: skip
+    ui.stop.click(stop, outputs=[ui.status], queue=False, api_visibility="private")
+    # editing the marked field takes its mark away (the Lab's own fields, and the sidebar's it may mark)
+    from app.layout import UNMARK
+
+    for name, component in [*((field_id(n), getattr(ui, n)) for n in LAB_FIELDS),
+                            *((render.field_id(n), c) for n, c in play.form.items())]:  # fmt: skip
+        component.input(None, [ui.form_error, ui.status], [ui.form_error, ui.status],
+                        js=UNMARK.replace("data-field=\"NAME\"", f"data-where=\"{name}\""))  # fmt: skip
     # what the sweep will use, kept in step with the Playground's fields
     ui.uses.value = show_uses(**{name: component.value for name, component in play.form.items()})
     for component in play.form.values():

@@ -65,7 +65,8 @@ def build_settings(ui: SimpleNamespace) -> None:
         form[name] = component
         return component
 
-    ui.preset = gr.Dropdown([p["name"] for p in presets.pairs()], value=default["name"], label="preset")
+    ui.preset = gr.Dropdown([p["name"] for p in presets.pairs()], value=default["name"], label="preset",
+                            elem_id="preset")
     ui.preset_note = gr.Markdown(f"{default['note']}  \n*Measured on:* {default['measured_on']}",
                                  elem_id="preset-note")  # fmt: skip
     widget("backend", gr.Dropdown(BACKENDS, value="transformers", label="backend",
@@ -121,6 +122,7 @@ def build_playground(ui: SimpleNamespace) -> None:
         ui.show_rejected = gr.Checkbox(False, label="show rejected drafts", elem_id="show-rejected", min_width=150)
     ui.form_error = gr.HTML("", elem_id="form-error", padding=False)
     ui.status = gr.HTML(render.status_line(""), elem_id="status", padding=False)
+    ui.next_note = gr.HTML("", elem_id="next-note", padding=False)
     with gr.Row(equal_height=True, elem_id="panes"):
         ui.baseline = gr.HTML(
             render.pane("Baseline (target alone)", "", "not started"), label="baseline", elem_id="baseline-pane",
@@ -162,11 +164,13 @@ UNMARK = """(html, status) => {
 CLOSE_ON_PHONES = """() => { if (window.innerWidth < 768) {
     const bar = document.querySelector('#settings');
     if (bar && bar.classList.contains('open')) bar.querySelector('.toggle-button')?.click(); } }"""
-# On a phone the panes sit below the prompt: Run brings them into view.
+# On a phone the panes sit below the prompt: Run scrolls the prompt to the top of the view, so that what
+# follows it is in view together: a message under the prompt, Run, the status line and the panes.
 # It runs as the event's own js, before the values go to the server (a js-only listener beside it waits for the
 # run to end), and hands the values on unchanged.
-SHOW_PANES = """(...values) => { if (window.innerWidth < 768) {
-    document.querySelector('#panes')?.scrollIntoView({behavior: 'smooth', block: 'start'}); } return values; }"""
+SHOW_RUN = """(...values) => { if (window.innerWidth < 768) {
+    document.querySelector('#field-prompt')?.scrollIntoView({behavior: 'smooth', block: 'start'}); }
+    return values; }"""
 
 
 def wire(ui: SimpleNamespace) -> None:
@@ -183,10 +187,17 @@ def wire(ui: SimpleNamespace) -> None:
         concurrency_limit=1, concurrency_id="device", show_progress="hidden",
     )  # fmt: skip
     compare = on_gpu(handlers.compare)
-    ui.run.click(compare, api_name="compare", js=SHOW_PANES, **run_args)
-    ui.again.click(compare, api_visibility="private", **run_args)
-    ui.prompt.submit(compare, api_visibility="private", **run_args)
-    ui.stop.click(handlers.stop, outputs=[ui.status], queue=False, api_visibility="private")
+    # A press of Run is never lost: Run says at once that it runs (or where it waits in line) and stays disabled
+    # until the run ends, however it ends; a press meanwhile (Enter in the prompt) runs next.
+    quick = dict(queue=False, api_visibility="private", show_progress="hidden")
+    for trigger, api in ((ui.run.click, dict(api_name="compare")), (ui.again.click, dict(api_visibility="private")),
+                         (ui.prompt.submit, dict(api_visibility="private"))):  # fmt: skip
+        announced = trigger(handlers.announce, outputs=[ui.run, ui.status, ui.next_note], js=SHOW_RUN,
+                            trigger_mode="multiple", **quick)  # fmt: skip
+        ran = announced.then(compare, **api, **run_args)
+        for after in (ran.then, ran.failure):  # Gradio runs .then only after a success
+            after(handlers.settle, outputs=[ui.run, ui.next_note], **quick)
+    ui.stop.click(handlers.stop, outputs=[ui.status, ui.run], queue=False, api_visibility="private")
     ui.forget.click(handlers.forget, outputs=[ui.status], queue=False, api_visibility="private")
     ui.clear.click(
         handlers.clear,
@@ -197,6 +208,9 @@ def wire(ui: SimpleNamespace) -> None:
     for name, component in {"prompt": ui.prompt, **ui.form}.items():
         component.input(None, [ui.form_error, ui.status], [ui.form_error, ui.status],
                         js=UNMARK.replace("NAME", name))  # fmt: skip
+        # during a run: which settings now apply to the next one (a preset changes several at once)
+        component.change(handlers.changed_since_run, inputs=[ui.prompt], inputs_kwargs=ui.form,
+                         outputs=[ui.next_note], preprocess=False, **quick)  # fmt: skip
     ui.preset.change(
         handlers.apply_preset,
         inputs=[ui.preset],

@@ -85,12 +85,36 @@ def baseline_tokens(steps: list[StepEvent]) -> str:
     return "".join(escape(piece) for s in steps for piece in s.pieces)
 
 
-def pane(title: str, body: str, stats: str, identical_hint: str = "") -> str:
+def pane(title: str, body: str, stats: str, identical_hint: str = "", waiting: str = "waiting…") -> str:
+    """A text pane; `waiting`: what it says while it has no text yet (loading, warming up, after the baseline)."""
+    empty = f'<span class="sa-empty">{escape(waiting)}</span>'
     return (
         f'<div class="sa-pane"><div class="sa-pane-head"><b>{escape(title)}</b>'
         f'<span class="sa-stats">{escape(stats)}</span>{identical_hint}</div>'
-        f'<div class="sa-text">{body or "<span class=sa-empty>waiting…</span>"}</div></div>'
+        f'<div class="sa-text">{body or empty}</div></div>'
     )
+
+
+def next_run_note(names: list[str], queued: bool = False) -> str:
+    """The note under the status line while a run goes: settings changed since it started apply to the next
+    run (the panes keep showing the one that runs), or a press of Run that waits for it."""
+    if queued:
+        text = "Run pressed again: that run starts when this one ends."
+    elif names:
+        text = f"changed since this run started, applies to the next run: {', '.join(names)}"
+    else:
+        return ""
+    return f'<div class="sa-next" role="status">{escape(text)}</div>'
+
+
+# Emoji that many systems draw as empty boxes (no emoji font), as marks every text font has
+TEXT_MARKS = {"✅": "✓", "❌": "✗", "⚠️": "⚠", "ℹ️": "ℹ", "\ufe0f": ""}
+
+
+def text_marks(text: str) -> str:
+    for emoji, mark in TEXT_MARKS.items():
+        text = text.replace(emoji, mark)
+    return text
 
 
 def stats_line(m: Metrics | None, running: bool) -> str:
@@ -227,18 +251,21 @@ def _css_string(text: str) -> str:
     return '"' + "".join(c if (c.isascii() and c.isalnum()) or c == " " else f"\\{ord(c):x} " for c in text) + '"'
 
 
-def field_error(exc: UserError) -> str:
-    """A red outline and the message under the field at fault, drawn by CSS, and nowhere else (the status line
-    only points at the field). Stays until the user edits that field or runs again."""
+def field_error(exc: UserError, elem_id: str | None = None) -> str:
+    """A red outline and the message under the field at fault (`elem_id`, else the form's field of that name),
+    drawn by CSS, and nowhere else (the status line only points at the field). Stays until the user edits that
+    field or runs again."""
     if not exc.field:
         return ""
-    target = f"#{field_id(exc.field)}"
+    elem_id = elem_id or field_id(exc.field)
+    target = f"#{elem_id}"
     style = (
         f"<style>{target} {{ outline: 2px solid #dc2626; outline-offset: 2px; border-radius: 8px; }}"
         f"{target}::after {{ content: {_css_string(str(exc))}; display: block; color: #b91c1c; "
         "font-size: 0.85em; padding: 4px 2px 0; white-space: normal; }</style>"
     )
-    return f'<div class="sa-form-error" data-field="{escape(exc.field, quote=True)}">{style}</div>'
+    return (f'<div class="sa-form-error" data-field="{escape(exc.field, quote=True)}" '
+            f'data-where="{escape(elem_id, quote=True)}">{style}</div>')
 
 
 def status_line(text: str, detail: str = "", error: bool = False) -> str:

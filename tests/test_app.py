@@ -61,6 +61,7 @@ def test_settings_have_one_named_shape_across_form_api_and_cli():
 def test_compare_streams_and_ends_with_a_lossless_result(model_dirs):
     outputs = run_handler(ui_values(model_dirs))
     assert len(outputs) > 3  # loading, warm-up, streaming updates, final
+    assert {len(out) for out in outputs} == {SIDEBAR + 1 + len(handlers.GROUPS)}  # one value per output, each time
     result, status, base_pane, spec_pane, summary, chart, history, table, files, error, again, *opens = outputs[-1]
     status = plain(status)
     assert result["identical"] is True and result["status"] == "done"
@@ -118,12 +119,29 @@ def test_bad_input_names_its_field_in_the_error_and_on_the_form(model_dirs, over
             assert (isinstance(update, dict) and update.get("open") is True) == (name == group), (name, update)
 
 
-def test_a_failed_run_is_counted(model_dirs):
+def test_a_value_refused_while_opening_the_pair_counts_no_run(model_dirs):
+    """A prompt past the context is found once the pair is open: refused like any field, not counted as a run."""
     outputs, err = run_until_error(ui_values(model_dirs, prompt="x" * 300))  # past the tiny model's 256 tokens
     assert "context of 256 tokens" in str(err) and "(field: prompt)" in str(err)
     status, history, error = plain(outputs[-1][1]), outputs[-1][6], outputs[-1][FIELD_ERROR]
-    assert status.startswith("run 1 · failed: ") and 'data-field="prompt"' in error
+    assert status == "not started: check prompt, as marked" and 'data-field="prompt"' in error
+    assert "context" not in status  # the message sits under the field only
+    assert isinstance(history, type(gr.skip())) or history == []  # no row: nothing ran
+    assert plain(run_handler(ui_values(model_dirs, max_new_tokens=4))[-1][1]).startswith("run 1 · done")
+
+
+def test_a_run_that_fails_is_counted(model_dirs, monkeypatch):
+    import engine.decoding.speculative
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a fault of ours")
+
+    monkeypatch.setattr(engine.decoding.speculative, "forward", broken)
+    outputs, err = run_until_error(ui_values(model_dirs, max_new_tokens=6))
+    status, history = plain(outputs[-1][1]), outputs[-1][6]
+    assert status.startswith("run 1 · failed: the run failed unexpectedly (RuntimeError: a fault of ours)")
     assert history[0][1] == "failed"
+    monkeypatch.undo()
     # the next run counts on
     assert plain(run_handler(ui_values(model_dirs, max_new_tokens=4, history=history))[-1][1]).startswith(
         "run 2 · done")
@@ -137,7 +155,7 @@ def stop_when(model_dirs, phase: str, session: str) -> list:
     def consume():
         for out in handlers.compare(**values, request=SimpleNamespace(session_hash=session)):
             seen.append(out)
-            if phase in str(out[1]) and handlers.STOPS.stop("other-session") is False:
+            if phase in str(out[1]) and handlers.STOPS.stop("other-session") is None:
                 handlers.STOPS.stop(session)
         done.set()
 
@@ -227,11 +245,14 @@ def lab_form(model_dirs, **over):
 def test_lab_sweep_handler_fills_tables_charts_and_report(model_dirs):
     from app import lab
 
-    out = lab.run_sweep(
+    outputs = list(lab.run_sweep(
         [1, 2], "0, 0.5", ["draft-model", "prompt-lookup"], ["rewriting", "creative_writing"], 1, 1, 8, "", "0, 0.06",
-        request=SimpleNamespace(session_hash="lab"), progress=lambda *a, **k: None, **lab_form(model_dirs),
-    )  # fmt: skip
-    uses, verdicts, cells, curve, categories_chart, categories, load_chart, load_rows, snippets, files = out
+        request=SimpleNamespace(session_hash="lab"), **lab_form(model_dirs),
+    ))  # fmt: skip
+    uses, verdicts, cells, curve, categories_chart, categories, load_chart, load_rows, snippets, files, *rest = \
+        outputs[-1]  # fmt: skip
+    assert plain(rest[0]) == "done: the results are below" and rest[1] == ""  # status line, no field marked
+    assert any("sweeping, " in plain(out[lab.OUTPUTS]) for out in outputs[1:-1])  # its progress, as it goes
     assert model_dirs["target"] in uses and "dtype auto" in uses and "seed 0" in uses
     assert "2 prompt(s) × 1 A/B pair(s) = 2 samples" in uses
     assert verdicts.count("- **") == 6  # a fit per drafter, temperature and (draft model) confidence stop
@@ -252,22 +273,35 @@ def test_lab_sweep_handler_fills_tables_charts_and_report(model_dirs):
     assert charts_html.count("Plotly.newPlot") == 2
 
 
-def test_lab_sweep_reports_bad_settings(model_dirs):
+def refused_sweep(*args, **over):
+    """A sweep the Lab refuses: (its status line, its field mark, the API caller's error)."""
     from app import lab
 
-    common = dict(request=SimpleNamespace(session_hash="lab"), progress=print)
-    with pytest.raises(gr.Error, match="temperatures"):
-        lab.run_sweep([1], "hot", ["prompt-lookup"], ["code"], 1, 1, 8, "", **common, **lab_form(model_dirs))
-    with pytest.raises(gr.Error, match="at least one"):
-        lab.run_sweep([], "0", ["prompt-lookup"], ["code"], 1, 1, 8, "", **common, **lab_form(model_dirs))
-    with pytest.raises(gr.Error, match=r"needs a serving backend.*\(field: backend\)"):
-        lab.run_sweep([1], "0", ["prompt-lookup"], ["code"], 1, 1, 8, "1,2", **common, **lab_form(model_dirs))
-    with pytest.raises(gr.Error, match="confidence stops"):
-        lab.run_sweep([1], "0", ["prompt-lookup"], ["code"], 1, 1, 8, "", "high", **common, **lab_form(model_dirs))
-    with pytest.raises(gr.Error, match=r"draft confidence stop 1.5 is out of range"):
-        lab.run_sweep([1], "0", ["draft-model"], ["code"], 1, 1, 8, "", "1.5", **common, **lab_form(model_dirs))
-    with pytest.raises(gr.Error, match=r"top-p .* \(field: top_p\)"):
-        lab.run_sweep([1], "0", ["prompt-lookup"], ["code"], 1, 1, 8, "", **common, **lab_form(model_dirs, top_p=3))
+    outputs = []
+    with pytest.raises(gr.Error) as err:
+        for out in lab.run_sweep(*args, request=SimpleNamespace(session_hash="lab"), **over):
+            outputs.append(out)
+    return plain(outputs[-1][lab.OUTPUTS]), outputs[-1][lab.OUTPUTS + 1], str(err.value)
+
+
+def test_lab_sweep_reports_bad_settings_under_their_fields(model_dirs):
+    form = lab_form(model_dirs)
+    status, mark, err = refused_sweep([1], "hot", ["prompt-lookup"], ["code"], 1, 1, 8, "", **form)
+    assert "temperatures 'hot'" in err and "(field: temperatures)" in err
+    assert status == "not started: check temperatures, as marked" and "#lab-field-temperatures" in mark
+    assert "temperatures" in mark and "write numbers" not in status  # the message once, under the field
+    status, mark, err = refused_sweep([], "0", ["prompt-lookup"], ["code"], 1, 1, 8, "", **form)
+    assert "at least one" in err and "#lab-field-gammas" in mark
+    status, mark, err = refused_sweep([1], "0", ["prompt-lookup"], ["code"], 1, 1, 8, "1,2", **form)
+    assert "needs a serving backend" in err and "(field: backend)" in err
+    assert status == "not started: check backend (in the settings), as marked" and "#field-backend" in mark
+    status, mark, err = refused_sweep([1], "0", ["prompt-lookup"], ["code"], 1, 1, 8, "", "high", **form)
+    assert "confidence stops" in err and "#lab-field-p_mins" in mark
+    status, mark, err = refused_sweep([1], "0", ["draft-model"], ["code"], 1, 1, 8, "", "1.5", **form)
+    assert "draft confidence stop 1.5 is out of range" in err and "#lab-field-p_mins" in mark
+    status, mark, err = refused_sweep([1], "0", ["prompt-lookup"], ["code"], 1, 1, 8, "", **lab_form(model_dirs,
+                                                                                                      top_p=3))
+    assert "(field: top_p)" in err and "#field-top_p" in mark
 
 
 def test_out_of_memory_in_generation_is_reported_and_the_next_run_works(model_dirs, monkeypatch):

@@ -357,3 +357,112 @@ def test_an_engine_that_crashes_at_start_is_one_sentence_with_its_log_folded_awa
     page.click("#run")  # and the app keeps serving
     wait_status(page, "run 2", "done in")
     page.close()
+
+
+def run_button(page) -> tuple[str, bool]:
+    """Run's label and whether it can be pressed."""
+    return page.inner_text("#run").strip(), page.is_enabled("#run")
+
+
+def start_long_run(page, tokens: int = 400) -> None:
+    page.fill("#field-prompt [data-testid=textbox]", LONG)
+    set_max_new_tokens(page, tokens)
+    page.click("#run")
+    wait_status(page, "running baseline")
+    page.wait_for_function("() => document.querySelector('#baseline-pane .sa-text').innerText.length > 20")
+
+
+def test_a_run_pressed_while_a_stopped_run_winds_down_is_not_lost(own_page):
+    """Issue 32.1: Stop, then Run at once: the press runs, or is refused with its reason; never silently dropped."""
+    start_long_run(own_page)
+    own_page.click("#stop")
+    own_page.fill("#field-prompt [data-testid=textbox]", "")
+    own_page.click("#run")  # while "stopping after the current step…": Run waits for the stop to land
+    own_page.wait_for_selector("#form-error [data-field=prompt]", timeout=60_000)
+    assert "prompt is empty" in field_message(own_page, "prompt")
+    assert status(own_page).strip() == "not started: check prompt, as marked"
+    # a valid press right after a stop runs
+    start_long_run(own_page)
+    own_page.click("#stop")
+    set_max_new_tokens(own_page, 8)
+    own_page.click("#run")
+    wait_status(own_page, "run 3", "done in")  # run 1 and 2 stopped, the refused press not counted
+    assert "8 tokens" in own_page.inner_text("#spec-pane .sa-stats")
+    own_page.click("#history")
+    assert own_page.inner_text("#history-table").count("stopped") == 2
+
+
+def test_run_says_it_runs_and_settings_changed_meanwhile_apply_to_the_next_run(own_page, browser, live_app):
+    """Issue 32.2: during a run Run cannot be pressed and says why; a preset chosen meanwhile is marked as the next
+    run's; another session's press waits visibly, in line."""
+    start_long_run(own_page)
+    label, enabled = run_button(own_page)
+    assert not enabled and "running" in label
+    streamed = len(own_page.inner_text("#baseline-pane .sa-text"))
+    own_page.click("#preset input")
+    own_page.locator("li[data-testid=dropdown-option]").nth(1).click()
+    own_page.wait_for_function("() => (document.querySelector('#next-note') || {}).innerText?.includes('next run')")
+    note = own_page.inner_text("#next-note")
+    assert "changed since this run started" in note and ("target model" in note or "drafter" in note), note
+    # the panes keep streaming the run that was started
+    own_page.wait_for_function(f"() => document.querySelector('#baseline-pane .sa-text').innerText.length > {streamed}")
+    # another session presses Run meanwhile: it waits, and says so
+    other = open_page(browser, live_app, width=1400, height=900)
+    try:
+        other.fill("#field-prompt [data-testid=textbox]", REWRITE)
+        set_max_new_tokens(other, 8)
+        other.click("#run")
+        wait_status(other, "queued, 2nd in line")
+        own_page.click("#stop")
+        assert "stopping" in run_button(own_page)[0]
+        wait_status(own_page, "stopped")
+        wait_status(other, "run 1", "done in")
+    finally:
+        other.close()
+    # after the run Run is back, and the note is gone: the changed settings are now simply the form's
+    own_page.wait_for_function("() => !document.querySelector('#run').disabled")
+    assert run_button(own_page) == ("Run", True)
+    assert own_page.inner_text("#next-note").strip() == ""
+
+
+def lab_field_message(page, name: str) -> str:
+    return page.evaluate(
+        f"() => getComputedStyle(document.querySelector('#lab-field-{name}'), '::after').content.replace(/^none$/, '')"
+    )
+
+
+def test_the_labs_errors_are_shown_as_the_playgrounds(own_page):
+    """Issue 32.4: a bad value in the Lab: one message under its field, the status line names the field, no toast
+    and nothing else red."""
+    own_page.click("button[role=tab]:has-text('Lab')")
+    own_page.fill("#lab-field-temperatures textarea, #lab-field-temperatures input", "abc")
+    own_page.click("#lab-run")
+    own_page.wait_for_selector("#lab-form-error [data-field=temperatures]", timeout=60_000)
+    time.sleep(3)  # a toast, had there been one, is up by now
+    assert "temperatures 'abc'" in lab_field_message(own_page, "temperatures")
+    assert own_page.inner_text("#lab-status .sa-status").strip() == "not started: check temperatures, as marked"
+    assert own_page.locator(".toast-body").count() == 0 and visible_error_pills(own_page) == 0
+    # editing the field takes the mark away
+    own_page.fill("#lab-field-temperatures textarea, #lab-field-temperatures input", "0")
+    own_page.type("#lab-field-temperatures textarea, #lab-field-temperatures input", " ")
+    own_page.wait_for_function("() => !document.querySelector('#lab-form-error [data-field]')")
+    assert lab_field_message(own_page, "temperatures") == ""
+
+
+def test_an_unknown_hub_id_is_shown_once_under_its_field_and_counts_no_run(own_page):
+    """Issue 32.7: the message once, under the target; the status line points there; no run counted."""
+    own_page.fill("#field-target [data-testid=textbox]", "nobody-here/no-such-model")
+    own_page.fill("#field-prompt [data-testid=textbox]", REWRITE)
+    own_page.click("#run")
+    own_page.wait_for_selector("#form-error [data-field=target]", timeout=120_000)
+    message = field_message(own_page, "target")
+    assert "no-such-model" in message
+    line = status(own_page).strip()
+    assert line == "not started: check target model, as marked", line
+    assert "run 1" not in line and visible_error_pills(own_page) == 0 and own_page.locator(".toast-body").count() == 0
+    own_page.click("#history")
+    assert "failed" not in own_page.inner_text("#history-table")
+    own_page.fill("#field-target [data-testid=textbox]", "bundled:smollm2-135m-instruct")
+    set_max_new_tokens(own_page, 8)
+    own_page.click("#run")
+    wait_status(own_page, "run 1", "done in")
