@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import gradio as gr
 import plotly.graph_objects as go
 
-from app import render
+from app import prompt_sets, render
 from app.gpu import on_gpu, sweep_seconds
 from app.handlers import RENDER_EVERY, STOPS, session_of, settings_from
 from app.handlers import _error as api_error
@@ -73,7 +73,7 @@ def build_layout() -> SimpleNamespace:
     with gr.Row():
         ui.categories = gr.Dropdown(presets.categories(), value=["rewriting", "creative_writing"], multiselect=True,
                                     label="task categories", elem_id=field_id("categories"))  # fmt: skip
-        ui.per_category = gr.Slider(1, 5, value=1, step=1, label="prompts per category",
+        ui.per_category = gr.Slider(1, 20, value=1, step=1, label="prompts per category",
                                     elem_id=field_id("per_category"))
         ui.repeats = gr.Slider(1, 10, value=2, step=1, label="A/B repeats per prompt", elem_id=field_id("repeats"))
         ui.max_new_tokens = gr.Slider(8, 512, value=48, step=8, label="max new tokens",
@@ -81,6 +81,9 @@ def build_layout() -> SimpleNamespace:
         ui.concurrency = gr.Textbox("", label="concurrency (vLLM backend)", placeholder="e.g. 1,2,4,8",
                                     info="requests at a time: after the sweep, a load curve of its best setting",
                                     elem_id=field_id("concurrency"))
+    ui.prompt_set = prompt_sets.build_layout()
+    for name in prompt_sets.FIELDS:  # marked like the Lab's other fields
+        setattr(ui, name, getattr(ui.prompt_set, name))
     with gr.Row():
         ui.run = gr.Button("Run sweep", variant="primary", elem_id="lab-run")
         ui.stop = gr.Button("Stop", variant="stop", elem_id="lab-stop")
@@ -212,6 +215,7 @@ def snippets_markdown(data: dict) -> str:
 LAB_FIELDS = {"gammas": "γ values", "temperatures": "temperatures", "drafters": "drafters",
               "p_mins": "confidence stops", "categories": "task categories", "per_category": "prompts per category",
               "repeats": "A/B repeats", "max_new_tokens": "max new tokens", "concurrency": "concurrency"}  # fmt: skip
+LAB_FIELDS |= prompt_sets.FIELDS  # the prompt set's: a file, a dataset, the sample seed, the held-out share
 SWEPT = {"gamma": "gammas", "temperature": "temperatures", "drafter": "drafters", "p_min": "p_mins",
          "max_new_tokens": "max_new_tokens"}  # fmt: skip
 OUTPUTS = 10  # what it used, verdict, tables, charts, snippets, files: before the status line and field marks
@@ -237,7 +241,7 @@ def marked(exc: UserError) -> tuple[str, str]:
 
 
 def plan(gammas, temperatures, drafters, categories, per_category, repeats, sweep_max_new_tokens, concurrency,
-         p_mins, form) -> tuple:  # fmt: skip
+         p_mins, form, prompt_set: dict | None = None) -> tuple:  # fmt: skip
     """The sweep's values checked: (base settings, prompts, gammas, temperatures, confidence stops, load levels);
     a UserError that names the field at fault otherwise."""
     try:
@@ -259,7 +263,7 @@ def plan(gammas, temperatures, drafters, categories, per_category, repeats, swee
     axes = dict(drafter=first, gamma=min(int(g) for g in gammas), temperature=temps[0],
                 max_new_tokens=sweep_max_new_tokens)  # fmt: skip
     base = settings_from(**(form | axes))
-    prompts = presets.suite(list(categories), int(per_category))
+    prompts = prompt_sets.chosen(categories, per_category, **(prompt_set or {}))  # the task suite, a file, a dataset
     if not 1 <= int(repeats) <= 10:
         raise UserError(f"repeats {repeats} is out of range: use 1 to 10.", field="repeats")
     levels = _levels(concurrency)
@@ -298,7 +302,7 @@ def with_progress(work):
 
 def run_sweep(
     gammas, temperatures, drafters, categories, per_category, repeats, sweep_max_new_tokens, concurrency,
-    p_mins="0", request: gr.Request = None, **form,
+    p_mins="0", prompts_file=None, dataset="", sample_seed="", held_out=0, request: gr.Request = None, **form,
 ):  # fmt: skip
     """Sweep the grid over the chosen task categories, on the Playground's pair and sampling settings (`form`;
     its drafter, γ, temperature and max new tokens give way to the sweep's own).
@@ -307,7 +311,9 @@ def run_sweep(
     keep = (gr.skip(),) * OUTPUTS
     try:
         base, prompts, gammas, temps, stops, levels = plan(gammas, temperatures, drafters, categories, per_category,
-                                                           repeats, sweep_max_new_tokens, concurrency, p_mins, form)
+                                                           repeats, sweep_max_new_tokens, concurrency, p_mins, form,
+                                                           dict(file=prompts_file, dataset=dataset, seed=sample_seed,
+                                                                held_out=held_out))  # fmt: skip
     except UserError as exc:
         yield (*keep, *marked(exc))
         raise api_error(exc) from None
@@ -345,7 +351,7 @@ def _measure(base, prompts, gammas, temps, drafters, repeats, stops, levels, sto
         best = report.best_setting(data)
         if levels and best:
             under_load = replace(base, **{k: best[k] for k in ("drafter", "gamma", "temperature", "p_min")})
-            flat = [p for ps in prompts.values() for p in ps]
+            flat = [p for ps in prompts.first_turns().values() for p in ps]
             data["load"] = load_curve(under_load, flat, levels, int(repeats), say)
         return data
 
@@ -359,7 +365,7 @@ def _measure(base, prompts, gammas, temps, drafters, repeats, stops, levels, sto
         yield (*keep, render.status_line(line), gr.skip())
 
 
-def results(data: dict, base: Settings, prompts: dict, repeats) -> tuple:
+def results(data: dict, base: Settings, prompts, repeats) -> tuple:
     """What it used, verdict, tables, charts, snippets and the report's files, from a sweep's data."""
     best = report.best_setting(data)
     folder = tempfile.mkdtemp(prefix="specarena-lab-")
@@ -370,11 +376,20 @@ def results(data: dict, base: Settings, prompts: dict, repeats) -> tuple:
                          + (f", confidence stop {f['p_min']:g}" if f.get("p_min") else "")
                          + f"**: {f['verdict']}" for f in data["fits"])  # fmt: skip
     verdicts += "".join(f"\n\n⚠ Best setting: {note}." for note in (best["notes"] if best else []))
-    uses = uses_markdown(base, sum(len(p) for p in prompts.values()), int(repeats))
+    verdicts += f"\n\n{report.prompt_set_line(data)}" + timing_line(data)
+    uses = uses_markdown(base, prompts.turns(), int(repeats))
     load = data.get("load")
     load_chart, load_rows = (load_figure(load), load_rows_of(load)) if load else (None, [])
     return (uses, verdicts, cell_rows(data), curve, categories, category_rows(data), load_chart, load_rows,
             snippets_markdown(data), [str(p) for p in paths])  # fmt: skip
+
+
+def timing_line(data: dict) -> str:
+    """How long the sweep took, per prompt (each turn of each cell, warm-ups and A/B pairs included)."""
+    t = data.get("timing") or {}
+    if not t.get("per_prompt_s"):
+        return ""
+    return f" The sweep took {t['wall_s']:.0f} s: {t['per_prompt_s']:.1f} s per prompt and cell."
 
 
 def _levels(text) -> list[int]:
@@ -426,7 +441,7 @@ def stop(request: gr.Request) -> str:
 
 def wire(ui: SimpleNamespace, play: SimpleNamespace) -> None:
     inputs = [ui.gammas, ui.temperatures, ui.drafters, ui.categories, ui.per_category, ui.repeats, ui.max_new_tokens,
-              ui.concurrency, ui.p_mins]  # fmt: skip
+              ui.concurrency, ui.p_mins, ui.prompts_file, ui.dataset, ui.sample_seed, ui.held_out]  # fmt: skip
     outputs = [ui.uses, ui.verdict, ui.cells, ui.curve, ui.category_chart, ui.category_table, ui.load_chart,
                ui.load_table, ui.snippets, ui.files, ui.status, ui.form_error]  # fmt: skip
     # as the Playground: messages in the Lab's status line and under the fields, no progress overlay or toast
@@ -434,13 +449,15 @@ def wire(ui: SimpleNamespace, play: SimpleNamespace) -> None:
                  preprocess=False, api_name="sweep", concurrency_limit=1, concurrency_id="device",
                  show_progress="hidden")  # fmt: skip
     ui.stop.click(stop, outputs=[ui.status], queue=False, api_visibility="private")
+    prompt_sets.wire(ui.prompt_set, ui.categories)
     # editing the marked field takes its mark away (the Lab's own fields, and the sidebar's it may mark)
     from app.layout import UNMARK
 
     for name, component in [*((field_id(n), getattr(ui, n)) for n in LAB_FIELDS),
                             *((render.field_id(n), c) for n, c in play.form.items())]:  # fmt: skip
-        component.input(None, [ui.form_error, ui.status], [ui.form_error, ui.status],
-                        js=UNMARK.replace("data-field=\"NAME\"", f"data-where=\"{name}\""))  # fmt: skip
+        edited = component.upload if isinstance(component, gr.File) else component.input  # a file has no input
+        edited(None, [ui.form_error, ui.status], [ui.form_error, ui.status],
+               js=UNMARK.replace("data-field=\"NAME\"", f"data-where=\"{name}\""))  # fmt: skip
     # what the sweep will use, kept in step with the Playground's fields
     ui.uses.value = show_uses(**{name: component.value for name, component in play.form.items()})
     for component in play.form.values():

@@ -149,6 +149,8 @@ def test_suite_names_categories_files_and_datasets(tmp_path):
     assert ps.load(str(write(tmp_path, "q.jsonl", SPECBENCH))).turns() == 6
     with pytest.raises(UserError, match="unknown task categories \\['nope'\\]"):
         ps.load("nope")
+    with pytest.raises(UserError, match="prompts file 'data/missing.jsonl' does not exist"):
+        ps.load("data/missing.jsonl")
 
 
 # --- Hub datasets, with no network --------------------------------------------------------------------------------
@@ -289,3 +291,57 @@ def test_bench_cli_says_a_bad_file_in_one_line(tmp_path, capsys):
     path = write(tmp_path, "bad.jsonl", '{"prompt": "a"}\nnot json\n')
     assert main(["bench", "--suite", str(path)]) == 2
     assert "error: bad.jsonl, line 2 is not JSON" in capsys.readouterr().err
+
+
+# --- the Lab ---------------------------------------------------------------------------------------------------
+
+
+def test_the_lab_says_what_a_file_holds_and_offers_its_categories(tmp_path):
+    from app import prompt_sets
+
+    path = write(tmp_path, "question.jsonl", SPECBENCH + [{"nothing": "here"}])
+    text, categories = prompt_sets.inspect(str(path), "", "", 0.5)
+    assert "question.jsonl (turns, sha256" in text and "4 prompt(s), 2 of them multi-turn (6 turns in all)" in text
+    assert "Skipped 1: line 5: no prompt in it (keys: nothing)" in text
+    assert "Held out at share 0.5 (seed 0):" in text
+    assert categories["choices"] == categories["value"] == ["writing", "math_reasoning", "translation"]
+    text, categories = prompt_sets.inspect(None, "", "", 0)
+    assert text.startswith("task suite") and categories["value"] == prompt_sets.SUITE_DEFAULT
+    assert prompt_sets.describe(str(write(tmp_path, "e.jsonl", " ")), "", "", 0).startswith("⚠ e.jsonl is empty")
+
+
+def test_a_lab_sweep_runs_an_uploaded_multi_turn_file(model_dirs, tmp_path):
+    from types import SimpleNamespace
+
+    from app import lab
+    from tests.test_app import lab_form, plain
+
+    path = write(tmp_path, "question.jsonl", SPECBENCH)
+    upload = {"path": str(path), "orig_name": "my-traffic.jsonl"}  # what preprocess=False hands over
+    outputs = list(lab.run_sweep([2], "0", ["prompt-lookup"], ["writing", "math_reasoning"], 1, 1, 8, "", "0",
+                                 upload, "", "3", 0, request=SimpleNamespace(session_hash="lab-file"),
+                                 **lab_form(model_dirs)))  # fmt: skip
+    uses, verdicts, cells, *_, status, mark = outputs[-1]
+    assert plain(status) == "done: the results are below" and mark == ""
+    assert "Prompt set: my-traffic.jsonl (sha256:" in verdicts and "1 per category drawn with seed 3" in verdicts
+    assert "s per prompt and cell" in verdicts
+    assert cells[0][7] in (3, 4)  # one writing and one maths question, each of one or two turns
+
+
+def test_the_lab_marks_a_bad_file_under_its_field(model_dirs, tmp_path):
+    from types import SimpleNamespace
+
+    import gradio as gr
+
+    from app import lab
+    from tests.test_app import lab_form, plain
+
+    path = write(tmp_path, "bad.jsonl", '{"prompt": "a"}\n{oops\n')
+    outputs = []
+    with pytest.raises(gr.Error) as err:
+        for out in lab.run_sweep([2], "0", ["prompt-lookup"], ["code"], 1, 1, 8, "", "0", str(path), "", "", 0,
+                                 request=SimpleNamespace(session_hash="lab-bad"), **lab_form(model_dirs)):  # fmt: skip
+            outputs.append(out)
+    assert "bad.jsonl, line 2 is not JSON" in str(err.value)
+    assert plain(outputs[-1][lab.OUTPUTS]) == "not started: check prompts file, as marked"
+    assert "#lab-field-prompts_file" in outputs[-1][lab.OUTPUTS + 1]
