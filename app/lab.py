@@ -62,7 +62,7 @@ def build_layout() -> SimpleNamespace:
                                      elem_id=field_id("temperatures"))
         ui.drafters = gr.CheckboxGroup(
             [("draft model", "draft-model"), ("prompt lookup", "prompt-lookup"), ("suffix", "suffix"),
-             ("synthetic α", "synthetic"),
+             ("synthetic α", "synthetic"), ("EAGLE-3 head", "eagle3"), ("DFlash head", "dflash"),
              ("n-gram mod (llama.cpp)", "ngram-mod"), ("n-gram map-k (llama.cpp)", "ngram-map-k")],
             value=["prompt-lookup"],
             label="drafters",
@@ -259,7 +259,11 @@ def plan(gammas, temperatures, drafters, categories, per_category, repeats, swee
     if missing:
         raise UserError("choose at least one γ, one temperature, one drafter and one task category.",
                         field=missing[0])  # fmt: skip
-    first = "draft-model" if "draft-model" in drafters else drafters[0]
+    named = [d for d in drafters if d in ("draft-model", "eagle3", "dflash")]
+    if len(named) > 1:
+        raise UserError(f"{', '.join(named)} each need the Playground's draft field, which names one model or head: "
+                        "sweep them one at a time.", field="drafters")  # fmt: skip
+    first = named[0] if named else drafters[0]
     axes = dict(drafter=first, gamma=min(int(g) for g in gammas), temperature=temps[0],
                 max_new_tokens=sweep_max_new_tokens)  # fmt: skip
     base = settings_from(**(form | axes))

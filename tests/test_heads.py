@@ -85,19 +85,19 @@ def _drafts(target, head, ids, gamma=4):
 
 
 @pytest.mark.parametrize("lean", [False, True])
-@pytest.mark.parametrize("gamma", [1, 3, 5])
-def test_greedy_head_drafts_give_the_baseline_and_hf_generate_ids(target, lean_target, llama_pair, lean, gamma):
+def test_greedy_head_drafts_give_the_baseline_and_hf_generate_ids(target, lean_target, llama_pair, lean):
     model = lean_target if lean else target
     tok = llama_pair[2]
     heads = heads_of(model)
-    for text in PROMPTS:
+    for text in PROMPTS[:2]:
         ids = prompt_ids(tok, text)
-        expected = hf_generate(model, ids, 30)
-        assert run_baseline(model, tok, ids, 30).token_ids == expected
-        for name, head in heads.items():
-            result = run_spec(model, tok, ids, drafter_for(head, 384, gamma), gamma, 30)
-            assert result.token_ids == expected, (name, text)
-            assert result.metrics.draft_passes > 0
+        expected = hf_generate(model, ids, 24)
+        assert run_baseline(model, tok, ids, 24).token_ids == expected
+        for gamma in (1, 4):
+            for name, head in heads.items():
+                result = run_spec(model, tok, ids, drafter_for(head, 384, gamma), gamma, 24)
+                assert result.token_ids == expected, (name, text, gamma)
+                assert result.metrics.draft_passes > 0
 
 
 def test_a_head_proposes_after_every_step_what_it_would_from_scratch(target, llama_pair):
@@ -238,3 +238,16 @@ def test_cli_head_errors_are_one_line(head_dirs, model_dirs, capsys):
     assert main(["doctor", "--target", model_dirs["target"], "--drafter", "eagle3", "--draft",
                  head_dirs["eagle3"]]) == 1  # fmt: skip
     assert "the target has 2" in capsys.readouterr().out
+
+
+def test_a_head_reads_the_output_layer_in_whatever_layout_the_cpu_path_keeps_it():
+    from engine.models.cpu import CpuLinear
+    from engine.models.heads import linear_weight
+
+    linear = torch.nn.Linear(64, 96, bias=True)
+    for forms in (("stock",), ("transposed",), ("packed",)):
+        if "packed" in forms and not torch.backends.mkldnn.is_available():
+            continue
+        wrapped = CpuLinear(linear)
+        wrapped.keep_only(forms)
+        assert torch.equal(linear_weight(wrapped), linear.weight.detach()), forms

@@ -5,6 +5,7 @@
     cpu            the CPU's identity, and the linear layers' forms (stock or oneDNN-packed, padding)
     sizing         parameters, KV cache bytes, context length, free memory
     doctor         the pair doctor: vocabulary, context, memory, from configs and tokenizers
+    heads          draft heads as published (SafeAILab, speculators, z-lab): read, checked, written
 """
 
 from engine import exports

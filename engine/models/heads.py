@@ -238,7 +238,7 @@ def build(c: HeadConfig, weights: dict[str, torch.Tensor], target, name: str = "
                         field="draft")  # fmt: skip
     else:
         head.lm_head = target.get_output_embeddings()
-    rows = head.lm_head.weight.shape[0]
+    rows = head.lm_head.out_features
     if rows != c.vocab_size:  # a reduced vocabulary: d2t holds each draft id's offset to its target id
         if "d2t" not in own:
             raise UserError(f"head {name!r} drafts over {rows} tokens but ships no d2t mapping.", field="draft")
@@ -268,12 +268,29 @@ HEADS = LoadedHeads()
 def describe(head: Head) -> str:
     c = head.config
     params = sum(p.numel() for p in head.parameters()) - head.embed_tokens.weight.numel()
-    if c.kind == "dflash" and head.lm_head.weight.shape[0] == c.vocab_size:
-        params -= head.lm_head.weight.numel()
-    vocab = head.lm_head.weight.shape[0]
+    vocab = head.lm_head.out_features
+    if c.kind == "dflash" and vocab == c.vocab_size:
+        params -= vocab * head.lm_head.in_features
+    params += 0 if isinstance(head.lm_head, torch.nn.Linear) else vocab * head.lm_head.in_features
     what = (f"{c.num_layers}-layer EAGLE-3 head, draft vocabulary {vocab}" if c.kind == "eagle3"
             else f"{c.num_layers}-layer DFlash head, blocks of {c.block_size}")  # fmt: skip
     return f"{what}, reads target layers {list(c.layers)}, {params / 1e6:.1f}M parameters ({c.layout} layout)"
+
+
+def linear_weight(module) -> torch.Tensor:
+    """The (out, in) weight of a linear layer, also of one the CPU path holds in other layouts (engine.models.cpu's
+    CpuLinear; only a packed one may be left, read back by a product with the identity, which is exact)."""
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return weight
+    forms = module.weights
+    if "stock" in forms:
+        return forms["stock"]
+    if "transposed" in forms:
+        return forms["transposed"].t()
+    with torch.inference_mode():
+        eye = torch.eye(module.in_features)
+        return torch.ops.mkldnn._linear_pointwise(eye, forms["packed"], None, "none", [], "").t().contiguous()
 
 
 def drafter_for(head: Head, vocab_size: int, gamma: int, adaptive: bool = False):
@@ -311,10 +328,10 @@ def write_head(
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v for k, v in head.state_dict().items() if k not in ("inv_freq", "d2t")
              and not k.startswith(("embed_tokens.", "lm_head."))}  # fmt: skip
-    draft_vocab = head.lm_head.weight.shape[0]
+    draft_vocab = head.lm_head.out_features
     reduced = head.d2t is not None
     if c.kind == "eagle3" or reduced:
-        state["lm_head.weight"] = head.lm_head.weight
+        state["lm_head.weight"] = linear_weight(head.lm_head)
     if reduced:
         state["d2t"] = head.d2t - torch.arange(draft_vocab, device=head.d2t.device)
         t2d = torch.zeros(c.vocab_size, dtype=torch.bool, device=head.d2t.device)
@@ -388,7 +405,7 @@ def random_head(target, kind: str = "eagle3", draft_vocab: int = 0, layers: int 
     head = Head(c).to(p.device, p.dtype)
     head.embed_tokens = target.get_input_embeddings()
     if kind == "eagle3":
-        out = target.get_output_embeddings().weight
+        out = linear_weight(target.get_output_embeddings())
         keep = torch.arange(draft_vocab or c.vocab_size, device=p.device)
         head.lm_head = torch.nn.Linear(c.hidden_size, keep.numel(), bias=False, device=p.device, dtype=p.dtype)
         head.lm_head.weight.data = out[keep].clone()
