@@ -139,7 +139,7 @@ def parser() -> argparse.ArgumentParser:
     forge.add_argument("--threads", default="auto", help="torch threads (auto: timed)")
     forge.add_argument("--init", choices=["target", "random"], default="target",
                        help="the head's layer starts as the target's last layer (default) or random")
-    forge.add_argument("--data-share", type=float, default=0.6, help="of the budget after loading, for data")
+    forge.add_argument("--data-share", type=float, default=0.5, help="of the budget after loading, for data")
     forge.add_argument("--no-pays", action="store_true", help="skip the final measurement on held-out prompts")
     forge.add_argument("--pays-repeats", type=int, default=1)
     forge.add_argument("--json", metavar="PATH", help="write the summary as JSON")
@@ -292,6 +292,8 @@ def cmd_bench(args) -> int:
                                                p_mins=p_mins)  # fmt: skip
                 print(f"== backend {on.backend}\n{sweep_table(runs[on.backend])}")
             data = {"kind": "backends", "runs": runs}
+            if len(runs) > 1:
+                print(f"== side by side\n{backends_table(runs)}")
         else:
             drafters = args.drafters.split(",") if args.drafters else [base.drafter]
             data = bench.sweep(base, prompts, gammas, temperatures, drafters, args.repeats, _progress, p_mins=p_mins)
@@ -374,6 +376,26 @@ def sweep_table(data: dict) -> str:
     if (data.get("timing") or {}).get("per_prompt_s"):
         t = data["timing"]
         lines.append(f"took {t['wall_s']:.0f} s: {t['per_prompt_s']:.1f} s per prompt (each turn, each cell)")
+    return "\n".join(lines)
+
+
+def backends_table(runs: dict) -> str:
+    """The backends' cells side by side: each cell (drafter, gamma, temperature) once per backend, with tokens/s and
+    acceptance per draft position (kept / reached, summed over prompts and repeats)."""
+    rows: dict[tuple, dict] = {}
+    for backend, data in runs.items():
+        for c in data["cells"]:
+            rows.setdefault((c["drafter"], c["gamma"], c["temperature"], c.get("p_min", 0.0)), {})[backend] = c
+    lines = [f"{'drafter':12}{'gamma':>6}{'temp':>6}  {'backend':14}{'tok/s base':>11}{'tok/s spec':>11}{'speedup':>9}"
+             f"{'accept':>8}  acceptance per draft position"]  # fmt: skip
+    for (drafter, gamma, temperature, _), cells in rows.items():
+        for i, (backend, c) in enumerate(cells.items()):
+            accept = c["acceptance_rate"]["median"]
+            accept = "-" if accept is None else f"{accept:.2f}"
+            at = "  ".join(f"{k / r:.2f}" if r else "-" for r, k in c.get("positions") or [])
+            head = f"{drafter:12}{gamma:>6}{temperature:>6}" if i == 0 else " " * 24
+            base, spec, speedup = c["baseline_tps"]["median"], c["speculative_tps"]["median"], c["speedup"]["median"]
+            lines.append(f"{head}  {backend:14}{base:>11.1f}{spec:>11.1f}{speedup:>8.2f}x{accept:>8}  {at}")
     return "\n".join(lines)
 
 

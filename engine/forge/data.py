@@ -5,8 +5,10 @@ left-padded batches (one prompt at a time leaves a CPU's matrix units idle: a ba
 about what 4 single rows do). Every pass of that generation already computes what a head needs, so nothing is run
 twice: the hidden states of the layers the head reads (transformers' `hidden_states[i]`, i in [2, L//2, L-3]) for
 every token fed, and the next-token distribution at every answer position, kept as its top-k (ids and
-probabilities: the soft label). Where the prompts are few, the target first writes new ones in their style
-(`variations`), then answers those too.
+probabilities: the soft label). The prefill's last hidden state gives the prompt's own positions their labels
+too (an LM head over them, a quarter of the prefill's cost), and rows leave the batch as their answers end.
+Where the prompts are few, the target writes new ones in their style (`VARIATION`, sampled), then answers those
+too; what it wrote is data as well.
 
 One batch becomes one shard under `DIR/data/` (safetensors, sequences packed end to end with their offsets), so a
 run that stops keeps what it made and a resumed run reads it back instead of generating again. Features are kept in

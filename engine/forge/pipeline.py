@@ -43,7 +43,7 @@ class ForgeConfig:
     seed: int = 0
     dtype: str = "float32"
     device: str = "auto"
-    data_share: float = 0.6  # of the budget left after loading (training on a few thousand answers overfits in minutes)
+    data_share: float = 0.5  # of the budget left after loading
     batch_size: int = 48  # prompts generated together
     max_new_tokens: int = 128
     temperature: float = 0.8  # the sampled answers' (greedy answers come first)
@@ -52,7 +52,7 @@ class ForgeConfig:
     coverage: float = 0.97  # of the training labels the draft vocabulary covers
     lr: float = 1e-3
     init: str = "target"  # "target": the layer starts as the target's last layer; "random"
-    batch_rows: int = 3072  # padded rows per training batch
+    batch_rows: int = 1024  # padded rows per training batch (more, smaller steps: a few minutes of CPU buy few)
     threads: str = "auto"  # "auto": timed (engine.forge.machine); or a number
     fast: str = "auto"  # batched passes in bfloat16 where the CPU does those far faster ("auto"), "off"
     pays: bool = True  # measure the head against prompt lookup, suffix and the target alone at the end

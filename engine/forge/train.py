@@ -19,8 +19,6 @@ draft id -> target id; vLLM and llama.cpp give q = 0 elsewhere). The LM head row
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -92,8 +90,8 @@ def covered(counts: torch.Tensor, ids: torch.Tensor) -> float:
 def start_head(target, ids: torch.Tensor, init: str = "target", seed: int = 0) -> Head:
     """A trainable EAGLE-3 head for `target` over the draft vocabulary `ids`: the target's embedding (frozen, shared)
     and its LM head rows (a copy, frozen as speculators does); with init="target" the layer's weights start as the
-    target's last decoder layer (q/k/v read both halves, so each half gets that layer's projection at half scale),
-    fc passes the deepest feature through, and the final norm is the target's."""
+    target's last decoder layer (q/k/v read both halves, so each half gets that layer's projection at half scale)
+    and the final norm is the target's; fc starts random."""
     from engine.models.heads import random_head
 
     head = random_head(target, "eagle3", draft_vocab=ids.numel(), seed=seed, norm_before_residual=True)
@@ -110,9 +108,8 @@ def start_head(target, ids: torch.Tensor, init: str = "target", seed: int = 0) -
 
 
 def _from_target(head: Head, target) -> None:
-    c, layer = head.config, head.layers[0]
+    layer = head.layers[0]
     src = target.model.layers[-1]
-    hidden = c.hidden_size
     with torch.no_grad():
         for name in ("q_proj", "k_proj", "v_proj"):
             w = getattr(src.self_attn, name).weight
@@ -124,9 +121,8 @@ def _from_target(head: Head, target) -> None:
         layer.hidden_norm.weight.copy_(src.input_layernorm.weight)
         layer.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
         head.norm.weight.copy_(target.model.norm.weight)
-        fc = torch.zeros_like(head.fc.weight)
-        fc[:, -hidden:] = torch.eye(hidden)
-        head.fc.weight.copy_(fc + torch.randn_like(fc) * 0.01 / math.sqrt(fc.shape[1]))
+    # fc keeps its random start: passing the deepest feature straight through made the head start out predicting
+    # the token the target had just predicted (the one it is fed), confidently wrong (training loss ~48 at start)
 
 
 # --- the train-time-test forward ----------------------------------------------------------------------------------
