@@ -20,7 +20,7 @@ from typing import Iterator
 from engine.backends import backend_for
 from engine.backends.transformers import guarded, widest_pass
 from engine.decoding.metrics import RunResult, StepEvent, summarise
-from engine.decoding.runtime import capacity
+from engine.decoding.runtime import BUCKETS, capacity
 from engine.events import Comparison, Done, Event, RunDone, RunStarts, Status, Step
 from engine.measure.trust import OtherLoad, suspicions
 from engine.settings import Settings, check_prompt
@@ -88,7 +88,7 @@ class WarmUps:
             return None
         models = [m for m in (pair.target.model, getattr(pair.draft, "model", None), getattr(pair, "head", None))
                   if m is not None]  # fmt: skip
-        need = capacity(len(ids), s.max_new_tokens)
+        need = capacity(len(ids), s.max_new_tokens) + BUCKETS[-1]  # as new_cache sizes a static cache
         cache = max(256, 1 << (need - 1).bit_length())
         return (tuple(id(m) for m in models), s.dtype, s.device, s.compile, s.drafter, widest_pass(s), s.strict,
                 s.temperature > 0, cache), models  # fmt: skip

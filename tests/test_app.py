@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from dataclasses import replace
 from types import SimpleNamespace
 
 import gradio as gr
@@ -12,6 +13,7 @@ import pytest
 
 from app import charts, handlers, render
 from engine.decoding.metrics import StepEvent
+from engine.events import Status
 from engine.settings import LABELS
 
 
@@ -439,3 +441,38 @@ def test_on_zerogpu_the_comparison_and_the_sweep_ask_for_gpu_time_in_proportion(
         importlib.reload(app.lab)
         importlib.reload(app.layout)
     assert app.gpu.on_gpu(len) is len  # without the package, nothing is wrapped
+
+
+def test_a_warm_up_is_reused_while_model_dtype_pass_sizes_and_cache_size_stay_the_same(model_dirs):
+    """Issue 32.3: the second comparison on the same pair and sizes does not warm up again; a larger cache does."""
+    from engine.compare import WARM_UPS, stream_compare
+    from engine.settings import Settings
+
+    WARM_UPS.clear()
+    s = Settings(target=model_dirs["target"], drafter="prompt-lookup", max_new_tokens=8, gamma=3)
+
+    def said(settings, prompt):
+        events = list(stream_compare(settings, prompt))
+        return [e.message for e in events if isinstance(e, Status)], events[-1].comparison.environment["warm_up"]
+
+    first, how = said(s, "abc abc abc")
+    assert how == "done" and any(m.startswith("warming up: 8 steps of each run, once") for m in first)
+    again, how = said(s, "another prompt, another length")
+    assert how == "reused" and not any("warming up" in m for m in again)
+    bigger, how = said(replace(s, max_new_tokens=200), "abc abc abc")  # a cache of another size: warmed anew
+    assert how == "done" and any("warming up" in m for m in bigger)
+    _, how = said(replace(s, gamma=5), "abc abc abc")  # wider verify passes: warmed anew
+    assert how == "done"
+
+
+def test_verdict_says_when_a_sample_is_too_small_and_blames_no_alpha_of_one():
+    from engine.measure.predict import verdict
+
+    small = verdict(1.0, 0.0, {1: 1.05}, 1, {1: 0.41}, {"predicted": 1.9, "gamma": 1}, pairs=1, tested=4)
+    assert "too low" not in small and "its drafting steps pay" in small and "Too few samples" in small
+    enough = verdict(0.3, 0.1, {1: 1.2}, 1, {1: 0.8}, {"predicted": 0.9, "gamma": 1}, pairs=4, tested=40)
+    assert "brings 1.30 tokens" in enough and "Too few samples" not in enough
+
+
+def test_check_pair_marks_are_ones_every_text_font_has():
+    assert render.text_marks("✅ same tokenizer\n⚠️ slow\nℹ️ note\n❌ no") == "✓ same tokenizer\n⚠ slow\nℹ note\n✗ no"
