@@ -137,8 +137,8 @@ def parser() -> argparse.ArgumentParser:
     forge.add_argument("--batch-size", type=int, default=48, help="prompts the target answers together")
     forge.add_argument("--max-new-tokens", type=int, default=128, help="longest answer generated for the data")
     forge.add_argument("--threads", default="auto", help="torch threads (auto: timed)")
-    forge.add_argument("--init", choices=["target", "random"], default="target",
-                       help="the head's layer starts as the target's last layer (default) or random")
+    forge.add_argument("--init", choices=["target", "random"], default="random",
+                       help="the head's layer starts random (default) or as the target's last layer")
     forge.add_argument("--data-share", type=float, default=0.5, help="of the budget after loading, for data")
     forge.add_argument("--no-pays", action="store_true", help="skip the final measurement on held-out prompts")
     forge.add_argument("--pays-repeats", type=int, default=1)

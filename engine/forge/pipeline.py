@@ -51,7 +51,9 @@ class ForgeConfig:
     steps: int = 4  # train-time-test steps: the longest draft trained (also --gamma-max)
     coverage: float = 0.97  # of the training labels the draft vocabulary covers
     lr: float = 1e-3
-    init: str = "target"  # "target": the layer starts as the target's last layer; "random"
+    init: str = "random"  # or "target": the layer starts as the target's last layer. Measured on the bundled model's
+    # validation answers: soft-label loss 46 at the start from the target's layer against 12 from random weights
+    # (18 with the layer's output projections zeroed), and after 14 steps acceptance at position 1 0.08 against 0.16
     batch_rows: int = 1024  # padded rows per training batch (more, smaller steps: a few minutes of CPU buy few)
     threads: str = "auto"  # "auto": timed (engine.forge.machine); or a number
     fast: str = "auto"  # batched passes in bfloat16 where the CPU does those far faster ("auto"), "off"
