@@ -116,12 +116,12 @@ class Rows:
 
 
 def generate(model, batch: Batch, layers: tuple[int, ...], eos: set[int], generator: torch.Generator,
-             deadline: float = float("inf"), compact: float = 0.25) -> list[Sequence]:  # fmt: skip
+             deadline: float = float("inf"), compact: float = 0.25, stop=None) -> list[Sequence]:  # fmt: skip
     """The target answers a batch of prompts, left-padded, over a KV cache; each pass's hidden states of `layers`
     and top-k next-token probabilities are kept. A row stops at EOS or max_new_tokens, all at `deadline`
-    (time.perf_counter()), keeping what they have so far. Once `compact` of the running rows have finished they
-    leave the batch (their keys and values too): answers end at very different lengths, and a finished row
-    costs a running one's compute."""
+    (time.perf_counter()) or when `stop` (a threading.Event) is set, keeping what they have so far. Once `compact`
+    of the running rows have finished they leave the batch (their keys and values too): answers end at very
+    different lengths, and a finished row costs a running one's compute."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
@@ -146,7 +146,8 @@ def generate(model, batch: Batch, layers: tuple[int, ...], eos: set[int], genera
             rows.add([active[j] for j in keep], None if feats is None else feats[keep], top[keep].to(torch.int32),
                      p[keep].to(torch.float16), token[keep])  # fmt: skip
             finished |= torch.tensor([int(t) in eos for t in token.tolist()])
-            if bool(finished.all()) or step + 1 == batch.max_new_tokens or time.perf_counter() > deadline:
+            late = time.perf_counter() > deadline or (stop is not None and stop.is_set())
+            if bool(finished.all()) or step + 1 == batch.max_new_tokens or late:
                 break
             mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=device)], 1)
             positions = positions[:, -1:] + 1

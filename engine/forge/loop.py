@@ -187,7 +187,8 @@ class Trainer:
         if improved:
             self.best = {"score": score, "state": self._trainable(), "acceptance": val["acceptance"],
                          "loss": val["loss"], "expected_length": val["expected_length"], "step": self.step}  # fmt: skip
-        record = {"step": self.step, "seconds": round(self.seconds_done + elapsed, 1), "rows": self.rows_done,
+        trained = self.seconds_done + (0.0 if final else elapsed)  # the final call comes after run() added it
+        record = {"step": self.step, "seconds": round(trained, 1), "rows": self.rows_done,
                   "train_loss": train_loss, "train_top1": train_acc, "val_loss": val["loss"],
                   "val_acceptance": val["acceptance"], "val_expected_length": val["expected_length"]}  # fmt: skip
         self.history.append(record)

@@ -198,7 +198,6 @@ class Forge:
         cfg = self.cfg
         folder = self.out / "data"
         self.dataset = D.Dataset.read(folder) if folder.is_dir() else D.Dataset()
-        self.train_set, self.val_set, self.held_set = prompt_sets(cfg)
         if self.state.get("data_done") and self.dataset.train:
             self.budget.phase("data")
             yield self.event("data", f"read {self.dataset.answer_tokens():,} answer tokens back from {folder}", 1.0)
@@ -212,7 +211,8 @@ class Forge:
             if self.stop.is_set() or time.perf_counter() > deadline:
                 break
             split, batch = what
-            sequences = D.generate(self.fast_model, batch, self.layers, self.eos, self.generator, deadline)
+            sequences = D.generate(self.fast_model, batch, self.layers, self.eos, self.generator, deadline,
+                                   stop=self.stop)  # fmt: skip
             if split == "ask":  # the target writing new prompts: its text is training data too
                 self._asked, split = sequences, "train"
             D.write_shard(folder, self.dataset.shards, sequences, split)
@@ -362,6 +362,7 @@ class Forge:
         yield self.event("pays", result["verdict"], 1.0, **{"pays": result})
 
     def run(self) -> Iterator[ForgeEvent]:
+        self.train_set, self.val_set, self.held_set = prompt_sets(self.cfg)  # a bad file fails before loading
         yield from self.load()
         yield from self.make_data()
         if not self.dataset.train:
