@@ -466,3 +466,29 @@ def test_an_unknown_hub_id_is_shown_once_under_its_field_and_counts_no_run(own_p
     set_max_new_tokens(own_page, 8)
     own_page.click("#run")
     wait_status(own_page, "run 1", "done in")
+
+
+def in_view(page, selector: str, height: int) -> bool:
+    box = page.evaluate(f"() => document.querySelector({selector!r}).getBoundingClientRect().toJSON()")
+    return box["top"] >= 0 and box["bottom"] <= height
+
+
+def test_on_a_phone_the_message_that_matters_stays_in_view(browser, live_app):
+    """Issue 32.8: on a phone, Run keeps the prompt's message, the status line and the panes in view, and an empty
+    pane says what is happening rather than "waiting"."""
+    page = open_page(browser, live_app, width=390, height=844)
+    page.fill("#field-prompt [data-testid=textbox]", "")
+    page.click("#run")
+    page.wait_for_selector("#form-error [data-field=prompt]")
+    time.sleep(1)  # the smooth scroll
+    assert "prompt is empty" in field_message(page, "prompt")
+    assert in_view(page, "#field-prompt", 844) and in_view(page, STATUS, 844)
+    page.fill("#field-prompt [data-testid=textbox]", REWRITE)
+    page.click("#run")
+    wait_status(page, "run 1")
+    time.sleep(1)
+    assert in_view(page, STATUS, 844) and page.locator("#panes").bounding_box()["y"] < 844 - 250  # panes in view
+    first = page.inner_text("#baseline-pane .sa-text").strip()
+    assert first and first != "waiting…", first  # the phase (loading, warming up) or the text itself
+    wait_status(page, "run 1", "done in")
+    page.close()
