@@ -314,11 +314,11 @@ def test_out_of_memory_in_generation_is_reported_and_the_next_run_works(model_di
     real = engine.decoding.speculative.forward
     calls = {"n": 0}
 
-    def flaky(model, ids, cache, keep=0, width=0):
+    def flaky(model, ids, cache, keep=0, width=0, layers=()):
         calls["n"] += 1
         if calls["n"] == 3:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(model, ids, cache, keep, width)
+        return real(model, ids, cache, keep, width, layers)
 
     monkeypatch.setattr(engine.decoding.speculative, "forward", flaky)
     with pytest.raises(gr.Error) as err:
