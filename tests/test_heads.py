@@ -163,7 +163,8 @@ def test_strict_mode_keeps_bfloat16_head_runs_identical(llama_pair):
             ids = prompt_ids(tok, text)
             with torch.inference_mode():
                 base = summarise("b", list(baseline_decode(model, tok, ids, GREEDY, 30, set(), width=5)), "")
-                steps = list(speculative_decode(model, tok, ids, drafter_for(head, 384, 4), GREEDY, 30, set(), 5))
+                steps = list(speculative_decode(model, tok, ids, drafter_for(head, 384, 4), GREEDY, 30, set(),
+                                                width=5))
             assert summarise("s", steps, "").token_ids == base.token_ids
 
 
@@ -175,7 +176,8 @@ def test_a_head_for_another_target_is_refused_in_one_sentence(target, tmp_path):
     with pytest.raises(UserError, match="features 64 wide, the target's hidden size is 128") as err:
         load_head(str(folder), wider)
     assert err.value.field == "draft"
-    raw = json.loads((folder / "config.json").read_text())
+    fitting = (folder / "config.json").read_text()
+    raw = json.loads(fitting)
     raw["eagle_aux_hidden_state_layer_ids"] = [2, 3, 9]
     (folder / "config.json").write_text(json.dumps(raw))
     with pytest.raises(UserError, match=r"reads target layers \[2, 3, 9\], the target has 6"):
@@ -186,7 +188,7 @@ def test_a_head_for_another_target_is_refused_in_one_sentence(target, tmp_path):
         load_head(str(tmp_path / "model"), target)
     pickled = tmp_path / "pickled"
     pickled.mkdir()
-    (pickled / "config.json").write_text((folder / "config.json").read_text())
+    (pickled / "config.json").write_text(fitting)
     (pickled / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(UserError, match="SPECARENA_ALLOW_PICKLE=1"):
         load_head(str(pickled), target)
