@@ -148,7 +148,7 @@ class Trainer:
         start = time.perf_counter()
         eval_every = max(10.0, seconds / 15)
         next_eval, window = start + eval_every, []
-        self.eval_s = 0.0
+        self.eval_s = self._last_eval_s = 0.0
         plan = []
         while True:
             if not plan:
@@ -156,7 +156,8 @@ class Trainer:
             group = plan.pop()
             now = time.perf_counter()
             frac = (now - start) / seconds
-            if frac >= 1 or self.stop.is_set():
+            # the final evaluation must fit in the budget too: stop when one more would not
+            if frac >= 1 or now + self._last_eval_s > start + seconds or self.stop.is_set():
                 break
             for g in self.optimizer.param_groups:
                 g["lr"] = self._lr(frac)
@@ -178,7 +179,8 @@ class Trainer:
     def _checkpoint(self, start: float, seconds: float, window: list, final: bool = False) -> dict:
         took = time.perf_counter()
         val = self.evaluate()
-        self.eval_s += time.perf_counter() - took
+        self._last_eval_s = time.perf_counter() - took
+        self.eval_s += self._last_eval_s
         elapsed = time.perf_counter() - start
         train_loss = sum(w[0] for w in window) / len(window) if window else None
         train_acc = [sum(w[1][k] for w in window) / len(window) for k in range(self.cfg.steps)] if window else []
