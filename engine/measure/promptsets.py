@@ -514,18 +514,9 @@ def _read_shards(folder: Path, files: list[str], spec: str, fingerprint: str) ->
 
 
 def _hub_refusal(exc: Exception, repo: str, revision: str) -> UserError | None:
-    """The Hub's own answer as advice; None when the Hub did not answer at all."""
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+    from engine.models.loading import hub_refusal
 
-    if isinstance(exc, GatedRepoError):
-        return UserError(f"dataset {repo} is gated on the Hub: accept its terms on its page, then set HF_TOKEN.")
-    if isinstance(exc, RevisionNotFoundError):
-        return UserError(f"dataset {repo} has no revision {revision!r} on the Hub: check the part after '@'.")
-    if isinstance(exc, RepositoryNotFoundError):
-        return UserError(f"there is no dataset {repo!r} on the Hugging Face Hub (or it is private: set HF_TOKEN).")
-    if isinstance(exc, HfHubHTTPError):
-        return UserError(f"the Hugging Face Hub refused dataset {repo} ({str(exc).splitlines()[0]}).")
-    return None
+    return hub_refusal(exc, repo, revision, kind="dataset")
 
 
 # --- the target's context ----------------------------------------------------------------------------------------

@@ -314,20 +314,24 @@ def hub_folder(source: Source, progress: Progress = _quiet, weights: bool = True
         raise _hub_refusal(exc, source) or UserError(_load_failure(source, exc)) from exc
 
 
-def _hub_refusal(exc: Exception, source: Source) -> UserError | None:
-    """The Hub's own answer as advice; None when the Hub did not answer at all."""
+def hub_refusal(exc: Exception, repo: str, revision: str | None, kind: str = "model") -> UserError | None:
+    """The Hub's own answer about a repo (a model, a dataset) as advice; None when the Hub did not answer at all."""
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
-    repo = source.repo_id
+    named = repo if kind == "model" else f"{kind} {repo}"
     if isinstance(exc, GatedRepoError):
-        return UserError(f"{repo} is gated on the Hub: accept its licence on its page, then set HF_TOKEN.")
+        return UserError(f"{named} is gated on the Hub: accept its terms on its page, then set HF_TOKEN.")
     if isinstance(exc, RevisionNotFoundError):
-        return UserError(f"{repo} has no revision {source.revision!r} on the Hub: check the part after '@'.")
+        return UserError(f"{named} has no revision {revision!r} on the Hub: check the part after '@'.")
     if isinstance(exc, RepositoryNotFoundError):
-        return UserError(f"there is no model {repo!r} on the Hugging Face Hub (or it is private: set HF_TOKEN).")
+        return UserError(f"there is no {kind} {repo!r} on the Hugging Face Hub (or it is private: set HF_TOKEN).")
     if isinstance(exc, HfHubHTTPError):
-        return UserError(f"the Hugging Face Hub refused {repo} ({str(exc).splitlines()[0]}).")
+        return UserError(f"the Hugging Face Hub refused {named} ({str(exc).splitlines()[0]}).")
     return None
+
+
+def _hub_refusal(exc: Exception, source: Source) -> UserError | None:
+    return hub_refusal(exc, source.repo_id, source.revision)
 
 
 def _reporting_bar(progress: Progress, repo: str):
