@@ -77,6 +77,17 @@ def write(head: Head, folder: Path, loaded, summary: dict) -> Path:
     return folder
 
 
+def set_gamma(folder: Path, gamma: int) -> None:
+    """The draft length the config proposes (vLLM reads it as num_speculative_tokens' default), after measuring."""
+    import json
+
+    path = Path(folder) / "config.json"
+    config = json.loads(path.read_text())
+    for method in config.get("speculators_config", {}).get("proposal_methods", []):
+        method["speculative_tokens"] = gamma
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
 def write_card(folder: Path, summary: dict) -> None:
     (Path(folder) / "README.md").write_text(card(summary))
 

@@ -356,8 +356,11 @@ class Forge:
             return
         result["wall_s"] = round(time.perf_counter() - started, 1)
         self.summary["pays"] = result
-        from engine.forge.export import write_card
+        from engine.forge.export import set_gamma, write_card
 
+        fit = result.get("head_fit") or {}
+        if fit.get("best_gamma") and (fit.get("best_speedup") or 0) > 1.0:  # measured beats predicted
+            set_gamma(self.out, fit["best_gamma"])
         write_card(self.out, self.summary)
         yield self.event("pays", result["verdict"], 1.0, **{"pays": result})
 
