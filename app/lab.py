@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import gradio as gr
 import plotly.graph_objects as go
 
-from app import prompt_sets, render
+from app import forge_panel, prompt_sets, render
 from app.gpu import on_gpu, sweep_seconds
 from app.handlers import RENDER_EVERY, STOPS, session_of, settings_from
 from app.handlers import _error as api_error
@@ -100,6 +100,7 @@ def build_layout() -> SimpleNamespace:
         ui.load_table = gr.Dataframe(headers=LOAD_COLUMNS, label="under load", interactive=False)
     ui.snippets = gr.Markdown(label="settings to take to production")
     ui.files = gr.File(label="report: JSON, CSV, settings", file_count="multiple", interactive=False)
+    ui.forge = forge_panel.build_layout()
     return ui
 
 
@@ -454,6 +455,7 @@ def wire(ui: SimpleNamespace, play: SimpleNamespace) -> None:
                  show_progress="hidden")  # fmt: skip
     ui.stop.click(stop, outputs=[ui.status], queue=False, api_visibility="private")
     prompt_sets.wire(ui.prompt_set, ui.categories)
+    forge_panel.wire(ui.forge, ui, play)
     # editing the marked field takes its mark away (the Lab's own fields, and the sidebar's it may mark)
     from app.layout import UNMARK
 

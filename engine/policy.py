@@ -5,6 +5,8 @@
   model is always allowed). For public Spaces.
 - SPECARENA_MODELS_DIR: the one folder whose models the app may read. Without it the app reads no local
   paths at all, so nobody can point it at arbitrary files on the server.
+- Heads the app forged itself (the Lab's Forge panel) sit under the SpecArena cache's heads folder: the app may
+  write there, and read back from there.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 from engine import presets
 from engine.errors import UserError
-from engine.settings import BUNDLED
+from engine.settings import BUNDLED, cache_dir
 
 
 def allowed_models() -> set[str] | None:
@@ -27,6 +29,16 @@ def allowed_models() -> set[str] | None:
     else:
         names = {v.strip() for v in value.split(",") if v.strip()}
     return names | {BUNDLED, "bundled"}
+
+
+def forged_heads() -> Path:
+    """The one folder the app writes heads into (the Lab's forge) and may read them back from."""
+    return cache_dir() / "heads"
+
+
+def _forged(spec: str) -> bool:
+    path, base = Path(spec).expanduser().resolve(), forged_heads().expanduser().resolve()
+    return base in path.parents
 
 
 def _looks_local(spec: str) -> bool:
@@ -42,6 +54,8 @@ def app_model(spec: str) -> str:
     root = os.environ.get("SPECARENA_MODELS_DIR")
     if root and not _looks_local(spec) and (Path(root) / spec).exists():
         spec = str(Path(root) / spec)  # a bare folder (or .gguf file) name inside the models folder
+    if _looks_local(spec) and _forged(spec):
+        return str(Path(spec).expanduser().resolve())  # a head this app forged
     if _looks_local(spec):
         if not root:
             raise UserError("this app does not read local folders: use a Hub id or the bundled model "

@@ -425,7 +425,9 @@ def test_on_zerogpu_the_comparison_and_the_sweep_ask_for_gpu_time_in_proportion(
         importlib.reload(app.layout)
         app.layout.build_demo()
         decorated = {fn.__name__: duration for fn, duration in asked}
-        assert set(decorated) == {"compare", "run_sweep"}
+        assert set(decorated) == {"compare", "run_sweep", "run_forge"}
+        forge = decorated["run_forge"]  # the Lab's forge: its budget, loading and the final measurement
+        assert forge("t", 30) > forge("t", 5) > 5 * 60 and forge("t", "soon") > 0
         seconds = decorated["compare"]
         assert seconds("a prompt", [], max_new_tokens=128) < seconds("a prompt", [], max_new_tokens=2048)
         assert seconds("a prompt", [], max_new_tokens=2048) >= 2 * 2048 * app.gpu.TOKEN_S  # both runs fit

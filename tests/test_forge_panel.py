@@ -1,0 +1,135 @@
+"""The Lab's Forge panel (app.forge_panel) at the handler level, on a tiny random Llama: a forge's events become the
+status line, the acceptance table and chart, and at the end the does-it-pay table and "use this head"; Stop ends
+it with the head written; bad fields are marked under themselves."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import gradio as gr
+import pytest
+
+from tests.conftest import byte_tokenizer, tiny_llama
+from tests.test_app import plain
+
+
+@pytest.fixture
+def panel(model_dirs, tmp_path, monkeypatch):
+    """The panel module with small batches and budgets allowed, heads written under a cache of this test's own;
+    (module, target folder, prompts file)."""
+    from app import forge_panel
+
+    root = Path(model_dirs["target"]).parent  # SPECARENA_MODELS_DIR: the app may read local models from here
+    folder = root / "forge-target"
+    if not folder.is_dir():
+        tiny_llama(layers=6).save_pretrained(folder)
+        byte_tokenizer().save_pretrained(folder)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Say something about thing {i} please."}) + "\n"
+                               for i in range(30)))  # fmt: skip
+    monkeypatch.setenv("SPECARENA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(forge_panel, "MIN_MINUTES", 0.1)
+    monkeypatch.setattr(forge_panel, "OPTIONS", dict(batch_size=16, steps=2, max_new_tokens=16, threads="1",
+                                                      fast="off", pays_max_new_tokens=16))  # fmt: skip
+    return forge_panel, str(folder), str(prompts)
+
+
+def request(name: str):
+    return SimpleNamespace(session_hash=name)
+
+
+def test_a_forge_streams_its_progress_and_ends_with_the_pays_table(panel):
+    forge_panel, target, prompts = panel
+    outputs = list(forge_panel.run_forge(target, 20 / 60, "", True, [], prompts, "", "", 0, request=request("f1")))
+    statuses = [plain(out[forge_panel.OUTPUTS]) for out in outputs]
+    assert statuses[0].startswith("forging into ") and outputs[0][forge_panel.OUTPUTS + 1] == ""
+    for phase in ("load", "data", "train"):  # each phase in the status line, with its percent and the ETA
+        assert any(re.match(rf"forging: {phase} \d+%, \d+:\d\d of the budget left · ", s) for s in statuses), phase
+    assert any(s.startswith("forging: pays ") for s in statuses)  # the final measurement's progress (notify)
+    table, chart, verdict, pays, use, head, status, mark = outputs[-1]
+    assert plain(status) == f"done: the head is in {head['folder']}" and mark == ""
+    assert table["headers"][-2:] == ["position 1", "position 2"] and table["data"]
+    assert all(0 <= a <= 1 for row in table["data"] for a in row[-2:])
+    assert len(chart.data) == 2  # a line per draft position
+    assert {row[0] for row in pays} == {"forged head", "prompt lookup", "suffix", "target alone"}
+    assert all(row[6] == "yes" for row in pays if row[0] == "forged head")  # greedy ids == the baseline's
+    assert "Does it pay: " in verdict and "stopped early" not in verdict
+    assert use["visible"] is True
+    folder = Path(head["folder"])
+    assert folder.parent == Path(forge_panel.heads_root()).resolve() and (folder / "config.json").is_file()
+    assert folder.name.startswith("forge-target-")
+    # "use this head": the Playground's target, drafter, draft and the proposed γ; the app may read it back
+    assert forge_panel.use_head(head)[:3] == (target, "eagle3", str(folder))
+    from engine import policy
+
+    assert policy.app_model(str(folder)) == str(folder)
+    # the acceptance table drawn while it trains, not only at the end
+    assert any(isinstance(out[0], dict) and out[0].get("data") for out in outputs[1:-1])
+
+
+def test_stop_ends_the_forge_with_its_best_head_written(panel):
+    forge_panel, target, prompts = panel
+    outputs, stopped = [], None
+    for out in forge_panel.run_forge(target, 20 / 60, "mine", True, [], prompts, "", "", 0, request=request("f2")):
+        outputs.append(out)
+        status = plain(out[forge_panel.OUTPUTS])
+        trained_on = re.search(r"(\d+) train and", status)
+        if stopped is None and (trained_on and int(trained_on.group(1)) > 0 or "forging: vocab" in status
+                                or "forging: train" in status):  # fmt: skip
+            stopped = plain(forge_panel.stop(request("f2")))
+    assert stopped == "stopping: the forge writes its best checkpoint so far…"
+    table, chart, verdict, pays, use, head, status, mark = outputs[-1]
+    folder = forge_panel.heads_root().resolve() / "mine"
+    assert plain(status) == f"done: the head is in {folder}" and head["folder"] == str(folder)
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+    assert "stopped early" in verdict and pays == []  # a stopped forge skips the measurement
+    assert plain(forge_panel.stop(request("f2"))) == "nothing is being forged"
+
+
+def refused(forge_panel, *args):
+    outputs = []
+    with pytest.raises(gr.Error) as err:
+        for out in forge_panel.run_forge(*args, request=request("f3")):
+            outputs.append(out)
+    assert len(outputs) == 1  # nothing started
+    return plain(outputs[-1][forge_panel.OUTPUTS]), outputs[-1][forge_panel.OUTPUTS + 1], str(err.value)
+
+
+def test_bad_fields_are_marked_under_themselves(panel, tmp_path, monkeypatch):
+    forge_panel, target, prompts = panel
+    monkeypatch.setattr(forge_panel, "MIN_MINUTES", 1.0)
+    cases = [
+        (("  ", 15, "", True, ["code"]), "forge_target", "target"),
+        ((target, 0.5, "", True, ["code"]), "forge_minutes", "minutes"),
+        ((target, 61, "", True, ["code"]), "forge_minutes", "minutes"),
+        ((target, "soon", "", True, ["code"]), "forge_minutes", "minutes"),
+        ((target, 15, str(tmp_path / "elsewhere"), True, ["code"]), "forge_out", "output folder"),
+        ((target, 15, "../escape", True, ["code"]), "forge_out", "output folder"),
+        ((target, 15, "", True, []), "categories", "task categories"),
+        ((target, 15, "", True, ["code"], str(tmp_path / "missing.jsonl")), "prompts_file", "prompts file"),
+        (("/etc", 15, "", True, ["code"]), "forge_target", "target"),  # outside the operator's models folder
+    ]
+    for args, field, label in cases:
+        status, mark, err = refused(forge_panel, *args)
+        assert status == f"not started: check {label}, as marked", (args, status)
+        assert f"#lab-field-{field}" in mark and f"(field: {field})" in err, (args, mark, err)
+    # a folder of something else inside the cache is not overwritten
+    other = forge_panel.heads_root() / "not-a-forge"
+    other.mkdir(parents=True)
+    (other / "notes.txt").write_text("mine")
+    status, mark, _ = refused(forge_panel, target, 15, "not-a-forge", True, ["code"])
+    assert "#lab-field-forge_out" in mark and "something other than a forge" in mark
+
+
+def test_the_panel_is_in_the_lab_and_holds_the_device_like_a_run():
+    from app.layout import build_demo
+
+    demo = build_demo()
+    forge = next(fn for fn in demo.fns.values() if fn.name == "run_forge")
+    sweep = next(fn for fn in demo.fns.values() if fn.name == "run_sweep")
+    assert forge.concurrency_id == sweep.concurrency_id == "device" and forge.concurrency_limit == 1
+    use = next(fn for fn in demo.fns.values() if fn.name == "use_head")
+    assert [c.elem_id for c in use.outputs] == ["field-target", "field-drafter", "field-draft", "field-gamma"]
