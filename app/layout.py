@@ -73,8 +73,9 @@ def build_settings(ui: SimpleNamespace) -> None:
                                   info="vLLM needs SPECARENA_VLLM_PYTHON or its URLs, llama.cpp a llama-server"))
     widget("target", gr.Textbox(BUNDLED, label="target model", info=target_info()))
     widget("drafter", gr.Dropdown(DRAFTERS, value=default["drafter"], label="drafter"))
-    widget("draft", gr.Textbox(default["draft"], label="draft model", info="best with the target's tokenizer; "
-                               "another works through text; synthetic α runs its passes for their cost"))
+    widget("draft", gr.Textbox(default["draft"], label="draft model or head", info="a model: best with the target's "
+                               "tokenizer (another works through text); EAGLE-3 / DFlash: the head's folder or Hub id; "
+                               "synthetic α runs its passes for their cost"))  # fmt: skip
     with gr.Row():
         ui.check = gr.Button("Check pair", size="sm", elem_id="check-pair")
         ui.forget = gr.Button("Clear suffix memory", size="sm", elem_id="forget")
