@@ -22,7 +22,7 @@ import gradio as gr
 import plotly.graph_objects as go
 
 from app import gpu, prompt_sets, render
-from app.handlers import RENDER_EVERY, STOPS, session_of
+from app.handlers import RENDER_EVERY, STOPS, job_failure, session_of
 from app.handlers import _error as api_error
 from engine import policy
 from engine.errors import UserError, blame
@@ -315,16 +315,10 @@ def run_forge(target, minutes, out, pays, categories=(), prompts_file=None, data
                 yield (*keep, render.status_line(status_text(event)), "")
                 shown = time.monotonic()
         stopped = stop.is_set()
-    except UserError as exc:
-        status, mark = marked(exc)
-        yield (*keep, status.replace("not started", "failed") if mark else
-               render.status_line(f"failed: {exc}", error=True), mark)  # fmt: skip
-        raise api_error(exc) from None
-    except Exception as exc:  # noqa: BLE001 - the app keeps serving
-        log.exception("forge failed")
-        exc = UserError(f"the forge failed unexpectedly ({type(exc).__name__}: {exc}); the app is still running.")
-        yield (*keep, render.status_line(f"failed: {exc}", error=True), "")
-        raise api_error(exc) from None
+    except Exception as exc:  # noqa: BLE001 - a mistake marked, a fault of ours logged: the app keeps serving
+        status, mark, error = job_failure(exc, marked, "forge")
+        yield (*keep, status, mark)
+        raise error from None
     finally:
         stop.set()  # a forge left behind (the page closed) ends at its next batch, its best state written
         STOPS.finish(session, stop)

@@ -234,6 +234,19 @@ def _error(exc: UserError) -> gr.Error:
     return gr.Error(f"{exc}{where}", visible=False, print_exception=False)
 
 
+def job_failure(exc: Exception, marked, what: str) -> tuple[str, str, gr.Error]:
+    """A Lab job (a sweep, a forge) that failed: (status line, field mark, the error for API callers). A user's mistake
+    is marked under its field by `marked` (the job's own field table); a fault of ours is logged with its traceback and
+    said in one sentence, and the app keeps serving. Call it inside the `except`."""
+    if isinstance(exc, UserError):
+        status, mark = marked(exc)
+        status = status.replace("not started", "failed") if mark else render.status_line(f"failed: {exc}", error=True)
+        return status, mark, _error(exc)
+    log.exception("%s failed", what)
+    exc = UserError(f"the {what} failed unexpectedly ({type(exc).__name__}: {exc}); the app is still running.")
+    return render.status_line(f"failed: {exc}", error=True), "", _error(exc)
+
+
 # Where each setting sits in the sidebar (fields not named here sit at its top, always in view); a field error
 # opens the sidebar and the field's group, so that the message under the field is seen.
 GROUPS = ("speculation", "sampling", "numerics")

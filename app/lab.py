@@ -21,7 +21,7 @@ import plotly.graph_objects as go
 
 from app import forge_panel, prompt_sets, render
 from app.gpu import on_gpu, sweep_seconds
-from app.handlers import RENDER_EVERY, STOPS, session_of, settings_from
+from app.handlers import RENDER_EVERY, STOPS, job_failure, session_of, settings_from
 from app.handlers import _error as api_error
 from engine import presets
 from engine.errors import UserError
@@ -332,16 +332,10 @@ def run_sweep(
         yield (*keep, render.status_line("stopped: nothing was saved; run again with fewer cells for a quicker "
                                          "answer"), "")  # fmt: skip
         return
-    except UserError as exc:
-        status, mark = marked(exc)
-        yield (*keep, status.replace("not started", "failed") if mark else
-               render.status_line(f"failed: {exc}", error=True), mark)  # fmt: skip
-        raise api_error(exc) from None
-    except Exception as exc:  # noqa: BLE001 - the app keeps serving
-        log.exception("sweep failed")
-        exc = UserError(f"the sweep failed unexpectedly ({type(exc).__name__}: {exc}); the app is still running.")
-        yield (*keep, render.status_line(f"failed: {exc}", error=True), "")
-        raise api_error(exc) from None
+    except Exception as exc:  # noqa: BLE001 - a mistake marked, a fault of ours logged: the app keeps serving
+        status, mark, error = job_failure(exc, marked, "sweep")
+        yield (*keep, status, mark)
+        raise error from None
     finally:
         STOPS.finish(session, stop)
     yield (*results(data, base, prompts, repeats), render.status_line("done: the results are below"), "")
