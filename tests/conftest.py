@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 import torch
@@ -182,3 +184,32 @@ def seed_hub_cache(root):
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / "main").write_text(commit)
     return Path(root)
+
+
+@pytest.fixture
+def online(monkeypatch):
+    """The Hub reachable as far as huggingface_hub knows (the tests set HF_HUB_OFFLINE=1 by default)."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False, raising=False)
+
+
+class RepoNotFound(BaseHTTPRequestHandler):
+    def do_GET(self):  # the Hub's answer for an id that does not exist
+        self.send_response(404)
+        self.send_header("X-Error-Code", "RepoNotFound")
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b'{"error": "Repository not found"}')
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def hub_without_repos(online, monkeypatch):
+    """A local stand-in for the Hub that knows no repository: it answers 404 RepoNotFound to every request."""
+    server = HTTPServer(("127.0.0.1", 0), RepoNotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+    yield
+    server.shutdown()

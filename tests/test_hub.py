@@ -3,20 +3,12 @@ download reports its progress. The Hub is never contacted: its address points at
 
 from __future__ import annotations
 
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
 from engine.errors import UserError
 from engine.models import loading as models
-
-
-@pytest.fixture
-def online(monkeypatch):
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False, raising=False)
 
 
 def test_an_unreachable_hub_fails_at_once(online, monkeypatch):
@@ -33,27 +25,9 @@ def test_offline_mode_uses_the_local_cache_only(monkeypatch):
         models.hub_folder(models.resolve("nobody/no-such-model"), weights=False)
 
 
-class NotFound(BaseHTTPRequestHandler):
-    def do_GET(self):  # the Hub's answer for an id that does not exist
-        self.send_response(404)
-        self.send_header("X-Error-Code", "RepoNotFound")
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(b'{"error": "Repository not found"}')
-
-    def log_message(self, *args):
-        pass
-
-
-def test_an_id_the_hub_does_not_know_is_named(online, monkeypatch):
-    server = HTTPServer(("127.0.0.1", 0), NotFound)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", f"http://127.0.0.1:{server.server_port}")
-        with pytest.raises(UserError, match="there is no model 'nobody/no-such-model' on the Hugging Face Hub"):
-            models.hub_folder(models.resolve("nobody/no-such-model"))
-    finally:
-        server.shutdown()
+def test_an_id_the_hub_does_not_know_is_named(hub_without_repos):
+    with pytest.raises(UserError, match="there is no model 'nobody/no-such-model' on the Hugging Face Hub"):
+        models.hub_folder(models.resolve("nobody/no-such-model"))
 
 
 def test_download_progress_is_reported():

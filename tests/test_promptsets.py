@@ -5,8 +5,6 @@ answers (bench.sweep, the CLI)."""
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
@@ -156,12 +154,6 @@ def test_suite_names_categories_files_and_datasets(tmp_path):
 # --- Hub datasets, with no network --------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def online(monkeypatch):
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False, raising=False)
-
-
 def test_an_unreachable_hub_says_so_like_a_model_does(online, monkeypatch, tmp_path):
     monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
@@ -199,27 +191,9 @@ def test_a_cached_dataset_is_read_offline_with_its_revision(monkeypatch, tmp_pat
         ps.load("org/spec:validation")
 
 
-class NotFound(BaseHTTPRequestHandler):
-    def do_GET(self):  # the Hub's answer for an id that does not exist
-        self.send_response(404)
-        self.send_header("X-Error-Code", "RepoNotFound")
-        self.send_header("Content-Type", "application/json")
-        self.end_headers()
-        self.wfile.write(b'{"error": "Repository not found"}')
-
-    def log_message(self, *args):
-        pass
-
-
-def test_a_dataset_the_hub_does_not_know_is_named(online, monkeypatch):
-    server = HTTPServer(("127.0.0.1", 0), NotFound)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", f"http://127.0.0.1:{server.server_port}")
-        with pytest.raises(UserError, match="there is no dataset 'nobody/no-such-set' on the Hugging Face Hub"):
-            ps.read_hub("nobody/no-such-set")
-    finally:
-        server.shutdown()
+def test_a_dataset_the_hub_does_not_know_is_named(hub_without_repos):
+    with pytest.raises(UserError, match="there is no dataset 'nobody/no-such-set' on the Hugging Face Hub"):
+        ps.read_hub("nobody/no-such-set")
 
 
 # --- running a set: multi-turn, the context, the report -------------------------------------------------------------
