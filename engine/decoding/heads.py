@@ -312,10 +312,13 @@ class HeadDrafter(Drafter):
         return features
 
     def _choose(self, logits: torch.Tensor, cfg: SamplingConfig, generator) -> tuple[int, torch.Tensor | None]:
-        """A draft token from target-vocabulary logits (V,): the argmax when greedy, else a draw from q."""
+        """A draft token from the head's logits (draft vocabulary,): when greedy the argmax, mapped to its target id
+        (d2t ascends, so ties fall as over the whole vocabulary); else a draw from q over the target's vocabulary."""
+        head = self.head
         if cfg.greedy:
-            return int(logits.argmax()), None
-        probs = logits_to_probs(logits, cfg)
+            best = logits.argmax()
+            return int(best if head.d2t is None else head.d2t[best]), None
+        probs = logits_to_probs(head.to_target(logits[None], self.vocab_size)[0], cfg)
         return int(sample(probs, generator)), probs
 
 
@@ -337,7 +340,7 @@ class Eagle3(HeadDrafter):
         self.fed += rows
         tokens, probs = [], []
         for k in range(gamma):
-            token, q = self._choose(head.to_target(logits[-1:], self.vocab_size)[0], cfg, generator)
+            token, q = self._choose(logits[-1], cfg, generator)
             tokens.append(token)
             probs.append(q)
             if k + 1 < gamma:
@@ -361,7 +364,7 @@ class DFlash(HeadDrafter):
         block = torch.tensor([ids[-1]] + [c.mask_token_id] * size, device=device)
         states = self.head.dflash(features, block, self.cache)  # (B, H)
         self.fed += features.shape[0]
-        logits = self.head.to_target(self.head.lm_head(states[1 : 1 + gamma]), self.vocab_size)  # (gamma, V)
+        logits = self.head.lm_head(states[1 : 1 + gamma])  # (gamma, draft vocabulary)
         tokens, probs = [], []
         for row in logits:
             token, q = self._choose(row, cfg, generator)

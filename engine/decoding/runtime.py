@@ -150,16 +150,16 @@ def forward(model, token_ids: list[int], cache, keep: int = 0, width: int = 0, l
         size = width if n <= width else n
     ids = torch.tensor([token_ids + token_ids[-1:] * (size - n)], dtype=torch.long, device=model.device)  # (1, size)
     extra = {"output_hidden_states": True} if layers else {}
+    trim = compiled or size > n  # every row's logits come back: the padding and all but `keep` are cut here
     if compiled:
         out = step(input_ids=ids, cache=cache, use_cache=True, **extra)  # causal: padding changes nothing
-    elif size == n and not layers:
-        return model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=keep).logits[0]
     else:
-        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=keep if size == n else 0, **extra)
-    logits = out.logits[0, :n] if out.logits.shape[1] == size else out.logits[0]
+        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=0 if trim else keep, **extra)
+    logits = out.logits[0, :n] if trim else out.logits[0]
     if size > n:
         cache.crop(n - size)  # drop the padding's keys and values
-    logits = logits[n - keep :] if keep and logits.shape[0] > keep else logits
+    if trim and keep:
+        logits = logits[n - keep :]
     if compiled:
         logits = logits.clone()  # a CUDA graph reuses its output buffer
     if not layers:
