@@ -53,16 +53,30 @@ def field_id(name: str) -> str:
     return prompt_sets.field_id(name)  # the Lab's form: lab-field-<name>
 
 
+def most_minutes() -> float:
+    """The longest forge this app runs (the operator may cap it, or turn forging off: engine.policy)."""
+    try:
+        return policy.forge_minutes(MAX_MINUTES)
+    except UserError:
+        return 0.0  # a cap nobody can read turns forging off rather than leaving it unbounded
+
+
+OFF = ("forging is off on this app (its operator set SPECARENA_FORGE): run `python -m engine forge` on your own "
+       "machine and load the head's folder where local folders are allowed.")
+
+
 def build_layout() -> SimpleNamespace:
     """The forge's fields, buttons, status line, progress and result, in an accordion of the Lab."""
     f = SimpleNamespace()
+    most = most_minutes()
     with gr.Accordion("Forge a head: train an EAGLE-3 draft for the target, on this machine", open=False,
                       elem_id="lab-forge"):  # fmt: skip
-        gr.Markdown(HELP)
+        gr.Markdown(HELP if most else f"{HELP}\n\n**{OFF[0].upper()}{OFF[1:]}**")
         with gr.Row():
             f.target = gr.Textbox("", label="target", info="the Playground's target unless you change it",
                                   elem_id=field_id("forge_target"))  # fmt: skip
-            f.minutes = gr.Number(15, label="minutes", info=f"the budget, {MIN_MINUTES:g} to {MAX_MINUTES:g}",
+            f.minutes = gr.Number(min(15, most) if most else 15, label="minutes",
+                                  info=f"the budget, {MIN_MINUTES:g} to {max(most, MIN_MINUTES):g}",
                                   elem_id=field_id("forge_minutes"))  # fmt: skip
             f.out = gr.Textbox("", label="output folder", placeholder="empty: a new folder under the cache",
                                info=f"inside {heads_root()}", elem_id=field_id("forge_out"))  # fmt: skip
@@ -70,7 +84,7 @@ def build_layout() -> SimpleNamespace:
                                  elem_id=field_id("forge_pays"))  # fmt: skip
         f.prompts = gr.Markdown(elem_id="lab-forge-prompts")
         with gr.Row():
-            f.run = gr.Button("Forge", variant="primary", elem_id="lab-forge-run")
+            f.run = gr.Button("Forge", variant="primary", elem_id="lab-forge-run", interactive=bool(most))
             f.stop = gr.Button("Stop", variant="stop", elem_id="lab-forge-stop")
         f.form_error = gr.HTML("", elem_id="lab-forge-form-error", padding=False)
         f.status = gr.HTML(render.status_line(""), elem_id="lab-forge-status", padding=False)
@@ -115,12 +129,16 @@ def out_folder(text, target: str) -> Path:
 
 
 def minutes_of(value) -> float:
+    most = policy.forge_minutes(MAX_MINUTES)
+    if not most:
+        raise UserError(OFF)
     try:
         minutes = float(value)
     except (TypeError, ValueError):
         minutes = math.nan
-    if not math.isfinite(minutes) or not MIN_MINUTES <= minutes <= MAX_MINUTES:
-        raise UserError(f"minutes {value!r}: give the forge {MIN_MINUTES:g} to {MAX_MINUTES:g} minutes.",
+    if not math.isfinite(minutes) or not MIN_MINUTES <= minutes <= most:
+        capped = " (this app's operator caps forges there)" if most < MAX_MINUTES else ""
+        raise UserError(f"minutes {value!r}: give the forge {MIN_MINUTES:g} to {most:g} minutes{capped}.",
                         field="forge_minutes")  # fmt: skip
     return minutes
 
@@ -148,6 +166,8 @@ def plan(target, minutes, out, pays, categories, file=None, dataset="", seed="",
     """The fields as a ForgeConfig, or a UserError naming the field at fault."""
     from engine.forge import ForgeConfig
 
+    if not policy.forge_minutes(MAX_MINUTES):
+        raise UserError(OFF)
     target = str(target or "").strip()
     if not target:
         raise UserError("target is empty: name a Hub id (org/name), a local folder, or the bundled model.",

@@ -7,6 +7,8 @@
   paths at all, so nobody can point it at arbitrary files on the server.
 - Heads the app forged itself (the Lab's Forge panel) sit under the SpecArena cache's heads folder: the app may
   write there, and read back from there.
+- SPECARENA_FORGE: unset or "on" lets the Lab forge heads (up to an hour each); "off" turns forging off (a forge
+  keeps the machine busy for its whole budget); a number caps a forge's minutes. For public Spaces.
 """
 
 from __future__ import annotations
@@ -29,6 +31,20 @@ def allowed_models() -> set[str] | None:
     else:
         names = {v.strip() for v in value.split(",") if v.strip()}
     return names | {BUNDLED, "bundled"}
+
+
+def forge_minutes(most: float) -> float:
+    """The longest forge the app may run: `most`, or the operator's cap (SPECARENA_FORGE), 0 when forging is off."""
+    value = os.environ.get("SPECARENA_FORGE", "").strip().lower()
+    if value in ("", "on", "1", "true"):
+        return most
+    if value in ("off", "0", "false", "no"):
+        return 0.0
+    try:
+        return max(0.0, min(most, float(value)))
+    except ValueError:
+        raise UserError(f"SPECARENA_FORGE={value!r}: the operator set it to neither on, off nor a number of "
+                        "minutes.") from None  # fmt: skip
 
 
 def forged_heads() -> Path:

@@ -124,6 +124,30 @@ def test_bad_fields_are_marked_under_themselves(panel, tmp_path, monkeypatch):
     assert "#lab-field-forge_out" in mark and "something other than a forge" in mark
 
 
+def test_the_operator_can_cap_forges_or_turn_them_off(panel, monkeypatch):
+    """SPECARENA_FORGE: a number caps a forge's minutes, "off" refuses every forge (a public Space's machine is
+    everyone's), and a value nobody can read turns the button off rather than leaving forges unbounded."""
+    from engine import policy
+    from engine.errors import UserError
+
+    forge_panel, target, _ = panel
+    monkeypatch.setattr(forge_panel, "MIN_MINUTES", 1.0)
+    monkeypatch.setenv("SPECARENA_FORGE", "5")
+    assert forge_panel.plan(target, 5, "", True, ["code"]).minutes == 5
+    status, mark, err = refused(forge_panel, target, 6, "", True, ["code"])
+    assert "#lab-field-forge_minutes" in mark and "1 to 5 minutes (this app's operator caps forges there)" in err
+    monkeypatch.setenv("SPECARENA_FORGE", "off")
+    status, mark, err = refused(forge_panel, target, 5, "", True, ["code"])
+    assert status.startswith("not started: forging is off on this app") and mark == ""
+    assert forge_panel.most_minutes() == 0
+    monkeypatch.setenv("SPECARENA_FORGE", "soon")
+    with pytest.raises(UserError, match="SPECARENA_FORGE='soon'"):
+        policy.forge_minutes(60)
+    assert forge_panel.most_minutes() == 0
+    monkeypatch.delenv("SPECARENA_FORGE")
+    assert forge_panel.most_minutes() == forge_panel.MAX_MINUTES
+
+
 def test_the_panel_is_in_the_lab_and_holds_the_device_like_a_run():
     from app.layout import build_demo
 
