@@ -134,7 +134,7 @@ def parser() -> argparse.ArgumentParser:
     forge.add_argument("--seed", type=int, default=0)
     forge.add_argument("--dtype", default="float32")
     forge.add_argument("--device", default="auto")
-    forge.add_argument("--batch-size", type=int, default=48, help="prompts the target answers together")
+    forge.add_argument("--batch-size", type=int, default=128, help="prompts the target answers together")
     forge.add_argument("--max-new-tokens", type=int, default=128, help="longest answer generated for the data")
     forge.add_argument("--threads", default="auto", help="torch threads (auto: timed)")
     forge.add_argument("--init", choices=["target", "random"], default="random",

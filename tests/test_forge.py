@@ -115,16 +115,25 @@ def test_a_forged_head_loads_and_runs_lossless(forged):
 
 
 def test_held_out_prompts_are_never_generated_on(forged):
-    from engine.forge.data import Dataset
+    from engine.forge.data import FOLLOW_UPS, Dataset
 
     cfg, _, summary = forged
     held = set(summary["prompts"]["held_out_ids"])
     assert held and summary["prompts"]["held_out"] == len(held)
     data = Dataset.read(Path(cfg.out) / "data")
-    seen_train = {s.prompt_id for s in data.train}
-    seen_val = {s.prompt_id for s in data.val}
+    root = lambda s: s.prompt_id.split("+")[0]  # noqa: E731 (a follow-up's id is its conversation's + its round)
+    seen_train = {root(s) for s in data.train}
+    seen_val = {root(s) for s in data.val}
     assert not (held & (seen_train | seen_val))
-    assert not (seen_train & seen_val)  # validation answers are not trained on either
+    assert not (seen_train & seen_val)  # validation conversations are not trained on either
+    follow = [s for s in data.train if s.source == "follow-up"]
+    assert follow and summary["data"]["sources"]["follow-up"] > 0
+    tokenizer = byte_tokenizer()
+    for s in follow[:5]:  # each asked after the target's own first answer, in the same conversation
+        first = next(x for x in data.train if x.prompt_id == root(s) and x.source == "greedy")
+        asked = tokenizer.decode(s.tokens[: s.prompt_len], skip_special_tokens=True)
+        question = tokenizer.decode(first.tokens[: first.prompt_len], skip_special_tokens=True).split("\n\n")[0]
+        assert asked.startswith(f"User: {question}") and any(f"User: {q}" in asked for q in FOLLOW_UPS), asked
     vocab = summary["vocabulary"]
     assert vocab["train_coverage"] >= 0.97 and vocab["size"] < vocab["target_vocabulary"]
 
@@ -157,3 +166,38 @@ def test_batched_generation_gives_each_prompt_what_it_gets_alone():
         torch.testing.assert_close(both.features.float(), one.features[: n - 1].float(), atol=2e-3, rtol=1e-3)
         assert torch.equal(both.top_ids[:, 0], one.top_ids[: n - 1, 0])
     assert len(together[0].tokens) == len(prompts[0]) + 3
+
+
+def test_only_answers_are_labelled():
+    """A head drafts answers: the loss, the validation figures and the draft vocabulary count the answer's positions
+    only (a prompt's rows, the chat template's boilerplate among them, made one head's validation read 2.09 tokens
+    per verify pass where the engine measured 1.26). Row j's label is the target's distribution at position j + 1."""
+    from engine.forge.data import Batch, generate
+
+    target = tiny_llama(layers=6)
+    prompt = [5, 9, 33, 70, 71, 72]
+    seq = generate(target, Batch([prompt], ["p"], 0.0, 8, "greedy"), (2, 3, 3), set(), torch.Generator())[0]
+    p, n = seq.prompt_len, len(seq.tokens)
+    vocab = target.config.vocab_size
+    batch = T.collate([seq], 2, T.to_draft_ids(vocab, None), torch.float32)
+    labelled = (batch["label_ids"][0, :, 0] >= 0).nonzero()[:, 0].tolist()
+    assert labelled == list(range(p - 2, n - 2))
+    assert torch.equal(batch["label_ids"][0, p - 2 : n - 2, 0], seq.top_ids[p - 1 : n - 1, 0].long())
+    assert batch["label_ids"][0, p - 2, 0] == seq.tokens[p]  # greedy: the first label is the first answer token
+    assert int(T.label_counts([seq], vocab).sum()) == n - p
+    mass = float(seq.top_p[p - 1 :].double().sum())
+    assert float(T.label_counts([seq], vocab, soft=True).sum()) == pytest.approx(mass)
+
+
+def test_greedy_and_sampled_rows_share_a_batch():
+    """A batch's rows each keep their own temperature: the greedy row gives what it gives alone, the sampled one
+    draws (and says so in its source)."""
+    from engine.forge.data import Batch, generate
+
+    target = tiny_llama(layers=6)
+    prompt = [5, 9, 33, 70]
+    alone = generate(target, Batch([prompt], ["p"], 0.0, 12, "greedy"), (2, 3, 3), set(), torch.Generator())[0]
+    mixed = generate(target, Batch([prompt, prompt], ["p", "p"], [0.0, 5.0], 12, ["greedy", "sampled"]), (2, 3, 3),
+                     set(), torch.Generator().manual_seed(1))  # fmt: skip
+    assert mixed[0].tokens == alone.tokens and mixed[0].source == "greedy"
+    assert mixed[1].tokens != alone.tokens and mixed[1].source == "sampled"  # at temperature 5 a random model wanders

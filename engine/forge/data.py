@@ -5,8 +5,11 @@ left-padded batches (one prompt at a time leaves a CPU's matrix units idle: a ba
 about what 4 single rows do). Every pass of that generation already computes what a head needs, so nothing is run
 twice: the hidden states of the layers the head reads (transformers' `hidden_states[i]`, i in [2, L//2, L-3]) for
 every token fed, and the next-token distribution at every answer position, kept as its top-k (ids and
-probabilities: the soft label). The prefill's last hidden state gives the prompt's own positions their labels
-too (an LM head over them, a quarter of the prefill's cost), and rows leave the batch as their answers end.
+probabilities: the soft label). Rows leave the batch as their answers end. Only answers carry labels: a head drafts
+answers, and a prompt's rows (the chat template's boilerplate, repeated in every sample, and the user's text) would
+both cost an LM head pass here and flatter the validation figures (on the bundled model, one head scored 2.09 tokens
+per verify pass with prompt rows counted and 1.33 without; the engine measured 1.26). Their features still serve
+as the context the head attends over.
 Where the prompts are few, the target writes new ones in their style (`VARIATION`, sampled), then answers those
 too; what it wrote is data as well.
 
@@ -17,6 +20,10 @@ run that stops keeps what it made and a resumed run reads it back instead of gen
 Position bookkeeping (the head's rows, engine.decoding.heads): a sequence x_0..x_{n-1} (prompt of P tokens, then the
 answer) has features g_0..g_{n-2} (every token fed to the target) and labels at positions P-1..n-2 (the distribution
 of x_{j+1}); the head's row t reads (x_{t+1}, g_t) and learns the label at position t+1.
+
+The data passes run in the target's own dtype: a head learns the features and the distributions the served target
+produces (a float32 target's head trained on bfloat16 passes accepted 1.33 tokens per verify pass in float32 and 1.48
+in bfloat16).
 """
 
 from __future__ import annotations
@@ -31,6 +38,24 @@ from typing import Callable, Iterator
 import torch
 
 TOP_K = 16  # probabilities kept per answer position: the soft label (the rest of the mass is dropped)
+
+# Follow-up turns the forge adds to the target's own conversations: where the prompts are few, these keep the data on
+# the prompts' subjects and in the target's own voice. New prompts written by a small target (VARIATION) drift into
+# noise: the bundled model's came out as "A japan's espresson. Ok, so here's an example of a request...".
+FOLLOW_UPS = (
+    "Can you explain that in more detail?",
+    "Give a concrete example.",
+    "Summarize your answer in two sentences.",
+    "Explain it to a twelve-year-old.",
+    "What are the most common mistakes here?",
+    "Rewrite your answer as a short list of steps.",
+    "Why is that? Give the reasoning behind it.",
+    "What would change if the situation were different?",
+    "Make your answer more formal.",
+    "What should I do next?",
+    "Can you check your answer and correct anything wrong?",
+    "Give me a different way to do it.",
+)
 
 VARIATION = (
     "Here is an example of a request a user sent to an assistant:\n\n{prompt}\n\n"
@@ -49,23 +74,27 @@ class Sequence:
     top_p: torch.Tensor  # (n - 1, TOP_K) float16
     source: str = ""  # "greedy" | "sampled" | "variation" | "ask" (the target writing a new prompt)
     prompt_id: str = ""
-    labels_from: int = -1  # first position with a label: the prompt's last (P - 1), or 0 when the prompt's own
-    # positions have the target's distributions too (they come free with the prefill)
 
-    def __post_init__(self):
-        if self.labels_from < 0:
-            self.labels_from = self.prompt_len - 1
+    @property
+    def answer_len(self) -> int:
+        return len(self.tokens) - self.prompt_len
 
 
 @dataclass
 class Batch:
-    """Prompts' token ids, generated together."""
+    """Prompts' token ids, generated together; each row with its own temperature (0: greedy) and source, so a prompt's
+    greedy and sampled answers share one batch."""
 
     prompts: list[list[int]]
     ids: list[str]
-    temperature: float  # 0: greedy
+    temperature: float | list[float]
     max_new_tokens: int
-    source: str
+    source: str | list[str]
+
+    def __post_init__(self):
+        n = len(self.prompts)
+        self.temperatures = list(self.temperature) if isinstance(self.temperature, list) else [self.temperature] * n
+        self.sources = list(self.source) if isinstance(self.source, list) else [self.source] * n
 
 
 def feature_dtype(features: torch.Tensor) -> torch.dtype:
@@ -90,12 +119,14 @@ def _left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
-def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> torch.Tensor:
-    """Next tokens (B,) from last-row logits (B, V): argmax, or a draw at `temperature`."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, -1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+def _pick(logits: torch.Tensor, temperatures: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Next tokens (B,) from last-row logits (B, V): per row the argmax (temperature 0) or a draw at its temperature."""
+    greedy = logits.argmax(-1)
+    if not bool((temperatures > 0).any()):
+        return greedy
+    probs = torch.softmax(logits.float() / temperatures.clamp(min=1e-6)[:, None], -1)
+    drawn = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return torch.where(temperatures > 0, drawn, greedy)
 
 
 class Rows:
@@ -130,17 +161,17 @@ def generate(model, batch: Batch, layers: tuple[int, ...], eos: set[int], genera
     positions = (mask.cumsum(1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
     rows, active = Rows(len(batch.prompts)), list(range(len(batch.prompts)))
+    temperatures = torch.tensor(batch.temperatures, dtype=torch.float32, device=device)
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
                     output_hidden_states=True, logits_to_keep=1)  # fmt: skip
         prompt_feats = torch.cat([out.hidden_states[i] for i in layers], -1).float()  # (B, width, F)
-        prompt_top = _prompt_labels(model, out.hidden_states[-1][:, :-1])  # (B, width - 1, K) x2
         finished = torch.zeros(len(active), dtype=torch.bool)
         for step in range(batch.max_new_tokens):
             feats = None if step == 0 else torch.cat([out.hidden_states[i][:, -1] for i in layers], -1).float()
             logits = out.logits[:, -1].float()  # (B, V)
             p, top = torch.softmax(logits, -1).topk(TOP_K, -1)
-            token = _pick(logits, batch.temperature, generator)
+            token = _pick(logits, temperatures, generator)
             running = ~finished
             keep = [j for j in range(len(active)) if running[j]]
             rows.add([active[j] for j in keep], None if feats is None else feats[keep], top[keep].to(torch.int32),
@@ -154,32 +185,15 @@ def generate(model, batch: Batch, layers: tuple[int, ...], eos: set[int], genera
             if int(finished.sum()) >= max(1, compact * len(active)):
                 stay = torch.nonzero(~finished)[:, 0]
                 cache.batch_select_indices(stay.to(device))
-                mask, positions, token = mask[stay], positions[stay], token[stay]
+                mask, positions, token, temperatures = mask[stay], positions[stay], token[stay], temperatures[stay]
                 active = [active[j] for j in stay.tolist()]
                 finished = torch.zeros(len(active), dtype=torch.bool)
             out = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions, cache=cache,
                         use_cache=True, output_hidden_states=True)  # fmt: skip
-    return _sequences(batch, prompt_feats, rows, eos, prompt_top)
+    return _sequences(batch, prompt_feats, rows, eos)
 
 
-def _prompt_labels(model, final: torch.Tensor, chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's top-k next-token probabilities at the prompt's positions, from the prefill's last hidden state
-    (transformers' last `hidden_states` entry is after the final norm), a few rows at a time: (B, rows, K) ids and
-    probabilities. The LM head over these rows costs about a quarter of the prefill; the rows are labels for free."""
-    b, rows, width = final.shape
-    flat = final.reshape(-1, width)
-    ids, probs = [], []
-    head = model.get_output_embeddings()
-    for start in range(0, flat.shape[0], chunk):
-        p, top = torch.softmax(head(flat[start : start + chunk]).float(), -1).topk(TOP_K, -1)
-        ids.append(top.to(torch.int32))
-        probs.append(p.to(torch.float16))
-    if not ids:
-        return torch.zeros((b, rows, TOP_K), dtype=torch.int32), torch.zeros((b, rows, TOP_K), dtype=torch.float16)
-    return torch.cat(ids).view(b, rows, TOP_K), torch.cat(probs).view(b, rows, TOP_K)
-
-
-def _sequences(batch: Batch, prompt_feats: torch.Tensor, rows: Rows, eos: set[int], prompt_top) -> list[Sequence]:
+def _sequences(batch: Batch, prompt_feats: torch.Tensor, rows: Rows, eos: set[int]) -> list[Sequence]:
     """Per-row sequences (left padding and everything after a row's EOS dropped)."""
     width = prompt_feats.shape[1]
     out = []
@@ -191,14 +205,12 @@ def _sequences(batch: Batch, prompt_feats: torch.Tensor, rows: Rows, eos: set[in
         # features of every token fed: the prompt's (prefill) and the answer's but its last
         answer_feats = rows.feats[i][: len(answer) - 1]
         f = torch.cat([prompt_feats[i, width - len(prompt) :]] + ([torch.stack(answer_feats)] if answer_feats else []))
-        ids = torch.zeros((n - 1, TOP_K), dtype=torch.int32)
+        ids = torch.zeros((n - 1, TOP_K), dtype=torch.int32)  # the prompt's rows: no labels
         p = torch.zeros((n - 1, TOP_K), dtype=torch.float16)
-        ids[: len(prompt) - 1] = prompt_top[0][i, width - len(prompt) :]
-        p[: len(prompt) - 1] = prompt_top[1][i, width - len(prompt) :]
         ids[len(prompt) - 1 :] = torch.stack(rows.tops[i][: len(answer)])
         p[len(prompt) - 1 :] = torch.stack(rows.probs[i][: len(answer)])
-        out.append(Sequence(prompt + answer, len(prompt), f.to(feature_dtype(f)), ids, p, batch.source,
-                            batch.ids[i], labels_from=0))  # fmt: skip
+        features = f.to(feature_dtype(f))
+        out.append(Sequence(prompt + answer, len(prompt), features, ids, p, batch.sources[i], batch.ids[i]))
     return out
 
 
@@ -233,7 +245,6 @@ def write_shard(folder: Path, index: int, sequences: list[Sequence], split: str)
     tensors = {
         "tokens": torch.tensor([t for s in sequences for t in s.tokens], dtype=torch.int32),
         "lengths": lengths, "prompt_lens": torch.tensor([s.prompt_len for s in sequences], dtype=torch.int64),
-        "labels_from": torch.tensor([s.labels_from for s in sequences], dtype=torch.int64),
         "features": torch.cat([s.features.to(sequences[0].features.dtype) for s in sequences]),
         "top_ids": torch.cat([s.top_ids for s in sequences]), "top_p": torch.cat([s.top_p for s in sequences]),
     }  # fmt: skip
@@ -253,11 +264,10 @@ def read_shard(path: Path) -> tuple[str, list[Sequence]]:
     t = load_file(str(path))
     sources, ids = json.loads(meta["sources"]), json.loads(meta["prompt_ids"])
     out, at, row = [], 0, 0
-    starts = t["labels_from"].tolist() if "labels_from" in t else [-1] * len(sources)
     for i, (n, p) in enumerate(zip(t["lengths"].tolist(), t["prompt_lens"].tolist())):
         rows = slice(row, row + n - 1)
         out.append(Sequence(t["tokens"][at : at + n].tolist(), p, t["features"][rows], t["top_ids"][rows],
-                            t["top_p"][rows], sources[i], ids[i], starts[i]))  # fmt: skip
+                            t["top_p"][rows], sources[i], ids[i]))  # fmt: skip
         at, row = at + n, row + n - 1
     return meta["split"], out
 
@@ -275,11 +285,8 @@ class Dataset:
         (self.val if split == "val" else self.train).extend(sequences)
 
     def answer_tokens(self, split: str = "train") -> int:
-        return sum(len(s.tokens) - s.prompt_len for s in (self.val if split == "val" else self.train))
-
-    def label_rows(self, split: str = "train") -> int:
-        """Positions with a label (answers and, where kept, prompts)."""
-        return sum(len(s.tokens) - 1 - s.labels_from for s in (self.val if split == "val" else self.train))
+        """Answer tokens: the positions with a label."""
+        return sum(s.answer_len for s in (self.val if split == "val" else self.train))
 
     def bytes(self) -> int:
         return sum(s.features.numel() * s.features.element_size() + s.top_ids.numel() * 6
@@ -298,13 +305,16 @@ class Dataset:
 # --- the plan: which prompts, answered how ----------------------------------------------------------------------
 
 
-def batches(prompts: list[tuple[str, list[int]]], size: int, temperature: float, max_new_tokens: int,
-            source: str) -> Iterator[Batch]:  # fmt: skip
-    """Prompts of similar length together (less padding), `size` at a time."""
-    ordered = sorted(prompts, key=lambda p: len(p[1]))
-    for start in range(0, len(ordered), size):
-        chunk = ordered[start : start + size]
-        yield Batch([p[1] for p in chunk], [p[0] for p in chunk], temperature, max_new_tokens, source)
+def batches(prompts: list[tuple[str, list[int]]], size: int, temperatures: tuple[float, ...], max_new_tokens: int,
+            sources: tuple[str, ...]) -> Iterator[Batch]:  # fmt: skip
+    """Every prompt answered once at each of `temperatures` (its rows labelled with the matching `sources`), prompts
+    of similar length together (less padding), `size` rows at a time."""
+    rows = [(p, t, src) for p in prompts for t, src in zip(temperatures, sources)]
+    rows.sort(key=lambda r: len(r[0][1]))
+    for start in range(0, len(rows), size):
+        chunk = rows[start : start + size]
+        yield Batch([r[0][1] for r in chunk], [r[0][0] for r in chunk], [r[1] for r in chunk], max_new_tokens,
+                    [r[2] for r in chunk])  # fmt: skip
 
 
 Say = Callable[[str], None]

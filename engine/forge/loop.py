@@ -58,7 +58,7 @@ def _detached(head):
 
 
 class Trainer:
-    def __init__(self, target, ids: torch.Tensor, dataset: Dataset, cfg, folder, fast_dtype: torch.dtype,
+    def __init__(self, target, ids: torch.Tensor, dataset: Dataset, cfg, folder, train_dtype: torch.dtype,
                  stop: threading.Event | None = None):  # fmt: skip
         self.cfg, self.folder, self.stop = cfg, folder, stop or threading.Event()
         self.dataset, self.ids = dataset, ids
@@ -68,7 +68,7 @@ class Trainer:
         self.embed = self.head.embed_tokens  # the target's own: never converted, never copied
         with _detached(self.head):
             self.head.float()  # master weights in float32; the passes may run in bfloat16 (autocast)
-        self.autocast = fast_dtype if fast_dtype != torch.float32 else None
+        self.autocast = train_dtype if train_dtype != torch.float32 else None
         self.t2d = T.to_draft_ids(self.head.config.vocab_size, self.head.d2t)
         params = [p for p in self.head.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)

@@ -3,8 +3,9 @@
     1. prompts   the task suite's categories or a prompts file (engine.measure.promptsets); a held-out share set
                  aside by hash (never generated on, never trained on: the final measurement's), a validation share
                  of the rest (generated, never trained on: early stopping and the held-out figures)
-    2. data      the target answers the training prompts (greedy, then sampled) and writes new prompts in their
-                 style, answered in turn, until the data share of the budget is spent (engine.forge.data)
+    2. data      the target answers the training prompts (greedy and sampled rows in the same batches) and writes new
+                 prompts in their style, answered in turn, until the data share of the budget is spent
+                 (engine.forge.data)
     3. vocab     the draft vocabulary from the labels (covering `coverage` of them)
     4. train     TTT training with soft labels, evaluated on the validation data every so often; the best state kept
     5. export    speculators layout (engine.models.heads.write_head) with a model card
@@ -16,7 +17,6 @@ A folder that already holds data and a checkpoint resumes: its data is read back
 
 from __future__ import annotations
 
-import copy
 import json
 import random
 import threading
@@ -30,6 +30,7 @@ import torch
 from engine.forge import data as D
 from engine.forge import train as T
 
+ASK_TEMPERATURE = 0.7  # new prompts written by the target: at 1.0 a small target's drift into noise
 VAL_SHARE = 0.1  # of the training side's prompts (and of the target's new prompts): validation, never trained on
 
 
@@ -44,9 +45,9 @@ class ForgeConfig:
     dtype: str = "float32"
     device: str = "auto"
     data_share: float = 0.5  # of the budget left after loading
-    batch_size: int = 48  # prompts generated together
+    batch_size: int = 128  # rows generated together (a 128-row step makes 1.4x the tokens/s of a 48-row one)
     max_new_tokens: int = 128
-    temperature: float = 0.8  # the sampled answers' (greedy answers come first)
+    temperature: float = 0.8  # the sampled answers' (each prompt is answered greedily too)
     variations: bool = True  # the target writes new prompts when the given ones are spent
     steps: int = 4  # train-time-test steps: the longest draft trained (also --gamma-max)
     coverage: float = 0.97  # of the training labels the draft vocabulary covers
@@ -56,7 +57,7 @@ class ForgeConfig:
     # (18 with the layer's output projections zeroed), and after 14 steps acceptance at position 1 0.08 against 0.16
     batch_rows: int = 1024  # padded rows per training batch (more, smaller steps: a few minutes of CPU buy few)
     threads: str = "auto"  # "auto": timed (engine.forge.machine); or a number
-    fast: str = "auto"  # batched passes in bfloat16 where the CPU does those far faster ("auto"), "off"
+    fast: str = "auto"  # training passes in bfloat16 where the CPU does those far faster ("auto"), "off"
     pays: bool = True  # measure the head against prompt lookup, suffix and the target alone at the end
     pays_repeats: int = 1
     pays_max_new_tokens: int = 64
@@ -188,9 +189,6 @@ class Forge:
         if threads:
             torch.set_num_threads(threads)
             self.machine.threads = threads
-        self.fast_model = model
-        if self.machine.fast_dtype != self.loaded.dtype:  # a 16-bit copy for the batched passes only
-            self.fast_model = copy.deepcopy(model).to(self.machine.fast_dtype)
         yield self.event("load", f"{self.loaded.describe()}; {self.machine.describe()}", 1.0)
 
     # -- 1. data --
@@ -211,42 +209,88 @@ class Forge:
             if self.stop.is_set() or time.perf_counter() > deadline:
                 break
             split, batch = what
-            sequences = D.generate(self.fast_model, batch, self.layers, self.eos, self.generator, deadline,
+            sequences = D.generate(self.loaded.model, batch, self.layers, self.eos, self.generator, deadline,
                                    stop=self.stop)  # fmt: skip
+            self._made = sequences  # what the plan reads back: new prompts, answers to follow up on
             if split == "ask":  # the target writing new prompts: its text is training data too
-                self._asked, split = sequences, "train"
+                split = "train"
             D.write_shard(folder, self.dataset.shards, sequences, split)
             self.dataset.shards += 1
             self.dataset.add(split, sequences)
             made = self.dataset.answer_tokens() + self.dataset.answer_tokens("val") - made_before
             rate = made / max(time.perf_counter() - started, 1e-6)  # answer tokens; prompts' labels come on top
             share = min(1.0, (time.perf_counter() - started) / max(deadline - started, 1e-6))
-            rows = self.dataset.label_rows()
-            yield self.event("data", f"{made:,} answer tokens ({rate:.0f}/s), {rows:,} labelled training rows, "
-                             f"{len(self.dataset.train)} train and {len(self.dataset.val)} validation sequences",
-                             share, tokens=made, rate=rate, rows=rows)  # fmt: skip
+            train, val = len(self.dataset.train), len(self.dataset.val)
+            yield self.event("data", f"{made:,} answer tokens ({rate:.0f}/s), {train} train and {val} validation "
+                             "sequences", share, tokens=made, rate=rate)  # fmt: skip
         self._write_state(data_done=True, data_tokens=self.dataset.answer_tokens())
 
     def _plan(self, deadline: float) -> Iterator[tuple[str, D.Batch]]:
         """Validation answers first (small), then greedy and sampled answers to the training prompts, then rounds of
-        new prompts the target writes (each round answered greedily and sampled)."""
+        follow-up turns on the target's own greedy answers (D.FOLLOW_UPS, a different one per conversation and
+        round), then rounds of new prompts the target writes (a full batch of asks each round, the new prompts
+        answered greedily and sampled). After each yield, make_data leaves the batch's sequences in self._made."""
         cfg = self.cfg
         train = _encoded(self.loaded, self.train_set.items, self.chat)
         val = _encoded(self.loaded, self.val_set.items, self.chat)
         size, n = cfg.batch_size, cfg.max_new_tokens
+        both = (0.0, cfg.temperature)
+        talks = {i.id: [{"role": "user", "content": i.prompt}] for i in self.train_set.items + self.val_set.items}
         if not any(True for _ in self.dataset.val):
-            for b in D.batches(val, size, 0.0, n, "greedy"):
+            for b in D.batches(val, size, (0.0,), n, ("greedy",)):
                 yield "val", b
-        for b in D.batches(train, size, 0.0, n, "greedy"):
+                self._answered(talks, self._made)
+        for b in D.batches(train, size, both, n, ("greedy", "sampled")):
             yield "train", b
-        for b in D.batches(train, size, cfg.temperature, n, "sampled"):
-            yield "train", b
+            self._answered(talks, self._made)
+        val_ids = {i.id for i in self.val_set.items}
+        for round_ in range(len(D.FOLLOW_UPS)):
+            if time.perf_counter() >= deadline or self.stop.is_set():
+                return
+            yield from self._follow_ups(talks, val_ids, round_)
         seen = {" ".join(i.prompt.lower().split()) for i in self.train_set.items + self.val_set.items}
         sources = [i.prompt for i in self.train_set.items]
         rounds = 0
         while cfg.variations and rounds < 50 and time.perf_counter() < deadline and not self.stop.is_set():
             rounds += 1
             yield from self._variations(sources, seen, rounds, deadline)
+
+    def _answered(self, talks: dict[str, list[dict]], sequences: list[D.Sequence]) -> None:
+        """The greedy answers just made, added to their conversations as the assistant's turn."""
+        texts = D.texts(self.loaded.tokenizer, sequences, self.eos)
+        for s, text in zip(sequences, texts):
+            root = s.prompt_id if s.prompt_id in talks else s.prompt_id.rsplit("+", 1)[0]
+            if s.source != "sampled" and root in talks and text and talks[root][-1]["role"] == "user":
+                talks[root].append({"role": "assistant", "content": text})
+
+    def _follow_ups(self, talks: dict[str, list[dict]], val_ids: set[str],
+                    round_: int) -> Iterator[tuple[str, D.Batch]]:  # fmt: skip
+        """One follow-up turn on every conversation that has an answer (one past 1,024 tokens starts again after
+        its first answer): validation conversations answered greedily, the others greedy and sampled."""
+        from engine.decoding.runtime import encode_prompt
+
+        cfg, tok = self.cfg, self.loaded.tokenizer
+        asked: dict[str, list] = {"val": [], "train": []}
+        for k, (root, turns) in enumerate(talks.items()):
+            if turns[-1]["role"] != "assistant":
+                continue
+            question = {"role": "user", "content": D.FOLLOW_UPS[(round_ + k) % len(D.FOLLOW_UPS)]}
+            ids = encode_prompt(tok, turns + [question], self.chat)
+            if len(ids) > 1024:
+                del turns[2:]
+                ids = encode_prompt(tok, turns + [question], self.chat)
+            turns.append(question)
+            asked["val" if root in val_ids else "train"].append((f"{root}+{round_ + 1}", ids))
+        for b in D.batches(asked["val"], cfg.batch_size, (0.0,), cfg.max_new_tokens, ("follow-up",)):
+            yield "val", b
+            self._answered(talks, self._made)
+        for b in D.batches(asked["train"], cfg.batch_size, (0.0, cfg.temperature), cfg.max_new_tokens,
+                           ("follow-up", "sampled")):  # fmt: skip
+            yield "train", b
+            self._answered(talks, self._made)
+        for turns in talks.values():  # a question left without its answer (the deadline) is taken back
+            if turns[-1]["role"] == "user" and len(turns) > 1:
+                turns.pop()
 
     def _variations(self, sources: list[str], seen: set[str], round_: int,
                     deadline: float) -> Iterator[tuple[str, D.Batch]]:  # fmt: skip
@@ -255,23 +299,24 @@ class Forge:
 
         cfg, tok = self.cfg, self.loaded.tokenizer
         rng = random.Random(cfg.seed * 1000 + round_)
-        chosen = rng.sample(sources, min(len(sources), cfg.batch_size))
+        k = cfg.batch_size  # a full batch of asks even while the sources are few: each ask is sampled anew
+        chosen = rng.sample(sources, k) if len(sources) >= k else [rng.choice(sources) for _ in range(k)]
         asks = [(f"ask-{round_}-{i}", encode_prompt(tok, D.VARIATION.format(prompt=p), self.chat))
                 for i, p in enumerate(chosen)]  # fmt: skip
         new: list[tuple[str, list[int]]] = []
-        for b in D.batches(asks, cfg.batch_size, 1.0, min(160, cfg.max_new_tokens), "ask"):
-            yield "ask", b  # make_data generates it and leaves the answers in self._asked
-            for text in D.texts(tok, self._asked, self.eos):
+        for b in D.batches(asks, cfg.batch_size, (ASK_TEMPERATURE,), min(160, cfg.max_new_tokens), ("ask",)):
+            yield "ask", b
+            for text in D.texts(tok, self._made, self.eos):
                 if D.usable_variation(text, seen):
                     new.append((D.prompt_id(text), encode_prompt(tok, text, self.chat)))
                     sources.append(text)
         val = [p for p in new if is_held_out(p[0], VAL_SHARE, cfg.seed + 1)]
         train = [p for p in new if not is_held_out(p[0], VAL_SHARE, cfg.seed + 1)]
-        for b in D.batches(val, cfg.batch_size, 0.0, cfg.max_new_tokens, "variation"):
+        for b in D.batches(val, cfg.batch_size, (0.0,), cfg.max_new_tokens, ("variation",)):
             yield "val", b
-        for temperature in (0.0, cfg.temperature):
-            for b in D.batches(train, cfg.batch_size, temperature, cfg.max_new_tokens, "variation"):
-                yield "train", b
+        for b in D.batches(train, cfg.batch_size, (0.0, cfg.temperature), cfg.max_new_tokens,
+                           ("variation", "variation")):  # fmt: skip
+            yield "train", b
 
     # -- 2. vocabulary --
     def vocabulary(self) -> Iterator[ForgeEvent]:
@@ -299,7 +344,7 @@ class Forge:
         self.budget.phase("train")
         seconds = max(5.0, self.budget.left() - reserve_s)
         trainer = Trainer(self.loaded.model, self.ids, self.dataset, self.cfg, self.out / "checkpoint",
-                          self.machine.fast_dtype, self.stop)  # fmt: skip
+                          self.machine.train_dtype, self.stop)  # fmt: skip
         for update in trainer.run(seconds):
             yield self.event("train", update.pop("message"), update.pop("done"), **update)
         self.trainer = trainer

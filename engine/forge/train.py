@@ -34,15 +34,15 @@ STEP_DECAY = 0.8  # loss weight of TTT step k: 0.8^k
 
 def label_counts(sequences: list[Sequence], vocab_size: int, soft: bool = False) -> torch.Tensor:
     """How often each target token is the target's own choice (top-1 label) at an answer position; with `soft`, the
-    target's probability mass on each token over every labelled position (prompts too), which spreads over the
+    target's probability mass on each token over every answer position, which spreads over the
     tokens it would also have written and so predicts unseen text better than a few thousand argmaxes do."""
     counts = torch.zeros(vocab_size, dtype=torch.float64 if soft else torch.int64)
     for s in sequences:
+        start = s.prompt_len - 1  # the answer's labels
         if soft:
-            start = s.labels_from
             counts.index_add_(0, s.top_ids[start:].reshape(-1).long(), s.top_p[start:].reshape(-1).double())
         else:
-            top = s.top_ids[s.prompt_len - 1 :, 0].long()
+            top = s.top_ids[start:, 0].long()
             counts += torch.bincount(top, minlength=vocab_size)[:vocab_size]
     return counts
 
@@ -205,8 +205,8 @@ def collate(sequences: list[Sequence], steps: int, t2d: torch.Tensor, dtype: tor
         n = len(s.tokens)
         tokens[i, : n - 1] = torch.tensor(s.tokens[1:])
         features[i, : n - 1] = s.features.to(dtype)
-        # row j of the labels: the distribution at position j + 1 (of x_{j+2}), from the first labelled position
-        first = max(s.labels_from - 1, 0)
+        # row j of the labels: the distribution at position j + 1 (of x_{j+2}); the answer's from row P - 2
+        first = max(s.prompt_len - 2, 0)
         label_ids[i, first : n - 2] = t2d[s.top_ids[first + 1 : n - 1].long()]
         label_p[i, first : n - 2] = s.top_p[first + 1 : n - 1].float()
     return {"tokens": tokens, "features": features, "label_ids": label_ids, "label_p": label_p, "rows": rows}
