@@ -227,9 +227,9 @@ class Forge:
 
     def _plan(self, deadline: float) -> Iterator[tuple[str, D.Batch]]:
         """Validation answers first (small), then greedy and sampled answers to the training prompts, then rounds of
-        follow-up turns on the target's own greedy answers (D.FOLLOW_UPS, a different one per conversation and
-        round), then rounds of new prompts the target writes (a full batch of asks each round, the new prompts
-        answered greedily and sampled). After each yield, make_data leaves the batch's sequences in self._made."""
+        follow-up questions after the target's own greedy answers (D.FOLLOW_UPS), then rounds of new prompts the
+        target writes (a full batch of asks each round, the new prompts answered greedily and sampled). After each
+        yield, make_data leaves the batch's sequences in self._made."""
         cfg = self.cfg
         train = _encoded(self.loaded, self.train_set.items, self.chat)
         val = _encoded(self.loaded, self.val_set.items, self.chat)
@@ -256,41 +256,31 @@ class Forge:
             yield from self._variations(sources, seen, rounds, deadline)
 
     def _answered(self, talks: dict[str, list[dict]], sequences: list[D.Sequence]) -> None:
-        """The greedy answers just made, added to their conversations as the assistant's turn."""
+        """The first greedy answers just made, added to their conversations as the assistant's turn."""
         texts = D.texts(self.loaded.tokenizer, sequences, self.eos)
         for s, text in zip(sequences, texts):
-            root = s.prompt_id if s.prompt_id in talks else s.prompt_id.rsplit("+", 1)[0]
-            if s.source != "sampled" and root in talks and text and talks[root][-1]["role"] == "user":
-                talks[root].append({"role": "assistant", "content": text})
+            if s.source == "greedy" and s.prompt_id in talks and text and len(talks[s.prompt_id]) == 1:
+                talks[s.prompt_id].append({"role": "assistant", "content": text})
 
     def _follow_ups(self, talks: dict[str, list[dict]], val_ids: set[str],
                     round_: int) -> Iterator[tuple[str, D.Batch]]:  # fmt: skip
-        """One follow-up turn on every conversation that has an answer (one past 1,024 tokens starts again after
-        its first answer): validation conversations answered greedily, the others greedy and sampled."""
+        """A follow-up question after each first answer, a different one per conversation and round (always on the
+        first exchange: deeper conversations made every prefill longer and the data 40% slower): validation
+        conversations answered greedily, the others greedy and sampled."""
         from engine.decoding.runtime import encode_prompt
 
         cfg, tok = self.cfg, self.loaded.tokenizer
         asked: dict[str, list] = {"val": [], "train": []}
         for k, (root, turns) in enumerate(talks.items()):
-            if turns[-1]["role"] != "assistant":
-                continue
-            question = {"role": "user", "content": D.FOLLOW_UPS[(round_ + k) % len(D.FOLLOW_UPS)]}
-            ids = encode_prompt(tok, turns + [question], self.chat)
-            if len(ids) > 1024:
-                del turns[2:]
+            if len(turns) == 2:
+                question = {"role": "user", "content": D.FOLLOW_UPS[(round_ + k) % len(D.FOLLOW_UPS)]}
                 ids = encode_prompt(tok, turns + [question], self.chat)
-            turns.append(question)
-            asked["val" if root in val_ids else "train"].append((f"{root}+{round_ + 1}", ids))
+                asked["val" if root in val_ids else "train"].append((f"{root}+{round_ + 1}", ids))
         for b in D.batches(asked["val"], cfg.batch_size, (0.0,), cfg.max_new_tokens, ("follow-up",)):
             yield "val", b
-            self._answered(talks, self._made)
         for b in D.batches(asked["train"], cfg.batch_size, (0.0, cfg.temperature), cfg.max_new_tokens,
                            ("follow-up", "sampled")):  # fmt: skip
             yield "train", b
-            self._answered(talks, self._made)
-        for turns in talks.values():  # a question left without its answer (the deadline) is taken back
-            if turns[-1]["role"] == "user" and len(turns) > 1:
-                turns.pop()
 
     def _variations(self, sources: list[str], seen: set[str], round_: int,
                     deadline: float) -> Iterator[tuple[str, D.Batch]]:  # fmt: skip
