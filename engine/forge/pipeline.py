@@ -3,9 +3,9 @@
     1. prompts   the task suite's categories or a prompts file (engine.measure.promptsets); a held-out share set
                  aside by hash (never generated on, never trained on: the final measurement's), a validation share
                  of the rest (generated, never trained on: early stopping and the held-out figures)
-    2. data      the target answers the training prompts (greedy and sampled rows in the same batches) and writes new
-                 prompts in their style, answered in turn, until the data share of the budget is spent
-                 (engine.forge.data)
+    2. data      the target answers the training prompts (greedy and sampled rows in the same batches), then
+                 follow-up questions after its first answers, then new prompts it writes, until the data share of
+                 the budget is spent (engine.forge.data)
     3. vocab     the draft vocabulary from the labels (covering `coverage` of them)
     4. train     TTT training with soft labels, evaluated on the validation data every so often; the best state kept
     5. export    speculators layout (engine.models.heads.write_head) with a model card
@@ -218,7 +218,7 @@ class Forge:
             self.dataset.shards += 1
             self.dataset.add(split, sequences)
             made = self.dataset.answer_tokens() + self.dataset.answer_tokens("val") - made_before
-            rate = made / max(time.perf_counter() - started, 1e-6)  # answer tokens; prompts' labels come on top
+            rate = made / max(time.perf_counter() - started, 1e-6)  # answer tokens: the labelled positions
             share = min(1.0, (time.perf_counter() - started) / max(deadline - started, 1e-6))
             train, val = len(self.dataset.train), len(self.dataset.val)
             yield self.event("data", f"{made:,} answer tokens ({rate:.0f}/s), {train} train and {val} validation "
@@ -257,9 +257,9 @@ class Forge:
 
     def _answered(self, talks: dict[str, list[dict]], sequences: list[D.Sequence]) -> None:
         """The first greedy answers just made, added to their conversations as the assistant's turn."""
-        texts = D.texts(self.loaded.tokenizer, sequences, self.eos)
-        for s, text in zip(sequences, texts):
-            if s.source == "greedy" and s.prompt_id in talks and text and len(talks[s.prompt_id]) == 1:
+        firsts = [s for s in sequences if s.source == "greedy" and len(talks.get(s.prompt_id, ())) == 1]
+        for s, text in zip(firsts, D.texts(self.loaded.tokenizer, firsts, self.eos)):
+            if text:
                 talks[s.prompt_id].append({"role": "assistant", "content": text})
 
     def _follow_ups(self, talks: dict[str, list[dict]], val_ids: set[str],
