@@ -167,7 +167,8 @@ class Live:
             "Baseline (target alone)",
             render.baseline_tokens(self.steps["baseline"]),
             render.stats_line(base.metrics if base else None, self.running == "baseline"),
-            waiting=before,
+            # until its first token, even once its timed run began ("running baseline…")
+            waiting=f"{self.status}…" if self.status and not done else "waiting…",
         )
         spec_pane = render.pane(
             "Speculative (draft + target)",

@@ -13,7 +13,7 @@ import pytest
 
 from app import charts, handlers, render
 from engine.decoding.metrics import StepEvent
-from engine.events import Status
+from engine.events import RunStarts, Status
 from engine.settings import LABELS
 
 
@@ -196,6 +196,16 @@ def test_model_output_is_escaped():
     html = render.speculative_tokens([step]) + render.baseline_tokens([step])
     assert "<script>" not in html and "<img" not in html and "<b>" not in html
     assert "&lt;script&gt;" in html and "sa-rej" in html
+
+
+def test_an_empty_pane_says_what_is_happening_until_its_first_token():
+    """Between "running baseline" and the baseline's first token the pane names the phase, not "waiting"."""
+    live = handlers.Live()
+    for event in (Status("loading models"), RunStarts("baseline")):
+        live.add(event)
+        _, base, spec, *_ = live.outputs(chart=False)
+        assert f"{event.message}…" in base and "waiting…" not in base, base
+    assert "starts when the baseline ends…" in spec
 
 
 def test_colours_follow_token_origin():
