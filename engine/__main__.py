@@ -140,6 +140,8 @@ def parser() -> argparse.ArgumentParser:
     forge.add_argument("--init", choices=["target", "random"], default="random",
                        help="the head's layer starts random (default) or as the target's last layer")
     forge.add_argument("--data-share", type=float, default=0.5, help="of the budget after loading, for data")
+    forge.add_argument("--no-general", action="store_true", help="answer only the given prompts (and follow-ups "
+                       "and new prompts the target writes), no general prompts beside them")
     forge.add_argument("--no-pays", action="store_true", help="skip the final measurement on held-out prompts")
     forge.add_argument("--pays-repeats", type=int, default=1)
     forge.add_argument("--json", metavar="PATH", help="write the summary as JSON")
@@ -511,7 +513,7 @@ def cmd_forge(args) -> int:
                       held_out=args.held_out, seed=args.seed, dtype=args.dtype, device=args.device,
                       batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, steps=args.gamma_max,
                       threads=args.threads, pays=not args.no_pays, pays_repeats=args.pays_repeats, init=args.init,
-                      data_share=args.data_share)  # fmt: skip
+                      data_share=args.data_share, general=not args.no_general)  # fmt: skip
 
     def show(event) -> None:
         eta = f" [{event.eta_s // 60:.0f}:{event.eta_s % 60:02.0f} left]" if event.eta_s is not None else ""

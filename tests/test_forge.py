@@ -126,6 +126,8 @@ def test_held_out_prompts_are_never_generated_on(forged):
     seen_val = {root(s) for s in data.val}
     assert not (held & (seen_train | seen_val))
     assert not (seen_train & seen_val)  # validation conversations are not trained on either
+    general = {s.prompt_id for s in data.train if s.source == "general"}
+    assert general and any(s.source == "general" for s in data.val) and not (general & held)
     follow = [s for s in data.train if s.source == "follow-up"]
     assert follow and summary["data"]["sources"]["follow-up"] > 0
     tokenizer = byte_tokenizer()
@@ -201,3 +203,43 @@ def test_greedy_and_sampled_rows_share_a_batch():
                      set(), torch.Generator().manual_seed(1))  # fmt: skip
     assert mixed[0].tokens == alone.tokens and mixed[0].source == "greedy"
     assert mixed[1].tokens != alone.tokens and mixed[1].source == "sampled"  # at temperature 5 a random model wanders
+
+
+def _suite_prompts() -> list[str]:
+    from engine import presets
+
+    tasks = [p for c in presets.tasks()["categories"].values() for p in c["prompts"]]
+    bench = (presets.PRESETS / "specbench_mini.jsonl").read_text().splitlines()
+    return tasks + [t for line in bench for t in json.loads(line)["turns"]]
+
+
+def _grams(text: str, n: int = 6) -> set[tuple[str, ...]]:
+    words = text.lower().split()
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def test_general_prompts_are_varied_new_and_never_the_suites():
+    """The forge's general prompts never repeat one, never ask what it was told to avoid, share no six words in a row
+    with the task suite (whose held-out share measures the head), come in every kind, and put the target's own
+    answers to work (a rewrite, a summary, typos to fix) once it has some."""
+    from engine.forge.bank import Bank, bank
+
+    suite = set().union(*(_grams(p) for p in _suite_prompts()))
+    strings = [s for v in bank().values() if isinstance(v, list) for s in v] + [bank()["about"]]
+    assert not [s for s in strings if _grams(s) & suite]
+    avoid = "Give three interesting facts about rivers."
+    taken = Bank(seed=0, avoid={avoid.lower()}).take(400)
+    texts = [p for _, p in taken]
+    assert len(set(texts)) == len({i for i, _ in taken}) == 400 and avoid not in texts
+    assert not [t for t in texts if _grams(t) & suite]
+    assert any("Python function" in t for t in texts) and any(t.startswith("Translate into") for t in texts)
+    assert any("step by step" in t for t in texts) and any("lives in" in t for t in texts)
+    assert Bank(seed=3).take(20) == Bank(seed=3).take(20) != Bank(seed=4).take(20)
+    answer = ("Owls hunt at night. Their large eyes gather what little light there is, and their soft feathers "
+              "let them fly without a sound. Most owls eat mice, insects and small birds, which they usually swallow "
+              "whole.")
+    general = Bank(seed=0)
+    general.use([answer, "too short to work on"])
+    on_answers = [p for _, p in general.take(90) if "mice," in p]  # a word no typo touches
+    assert len(on_answers) >= 5 and any(answer in p for p in on_answers)
+    assert any(answer not in p for p in on_answers)  # the one with typos to fix

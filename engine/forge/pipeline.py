@@ -4,8 +4,9 @@
                  aside by hash (never generated on, never trained on: the final measurement's), a validation share
                  of the rest (generated, never trained on: early stopping and the held-out figures)
     2. data      the target answers the training prompts (greedy and sampled rows in the same batches), then
-                 follow-up questions after its first answers, then new prompts it writes, until the data share of
-                 the budget is spent (engine.forge.data)
+                 general prompts (engine.forge.bank) with rounds of follow-up questions after its first answers
+                 between them (without general prompts: follow-ups, then new prompts it writes), until the data
+                 share of the budget is spent (engine.forge.data)
     3. vocab     the draft vocabulary from the labels (covering `coverage` of them)
     4. train     TTT training with soft labels, evaluated on the validation data every so often; the best state kept
     5. export    speculators layout (engine.models.heads.write_head) with a model card
@@ -48,7 +49,8 @@ class ForgeConfig:
     batch_size: int = 128  # rows generated together (a 128-row step makes 1.4x the tokens/s of a 48-row one)
     max_new_tokens: int = 128
     temperature: float = 0.8  # the sampled answers' (each prompt is answered greedily too)
-    variations: bool = True  # the target writes new prompts when the given ones are spent
+    general: bool = True  # general prompts (engine.forge.bank) beside the given ones once those are answered
+    variations: bool = True  # without general prompts: the target writes new prompts when the given ones are spent
     steps: int = 4  # train-time-test steps: the longest draft trained (also --gamma-max)
     coverage: float = 0.97  # of the training labels the draft vocabulary covers
     lr: float = 1e-3
@@ -244,6 +246,9 @@ class Forge:
             yield "train", b
             self._answered(talks, self._made)
         val_ids = {i.id for i in self.val_set.items}
+        if cfg.general:
+            yield from self._general(talks, val_ids, deadline)
+            return
         for round_ in range(len(D.FOLLOW_UPS)):
             if time.perf_counter() >= deadline or self.stop.is_set():
                 return
@@ -254,6 +259,34 @@ class Forge:
         while cfg.variations and rounds < 50 and time.perf_counter() < deadline and not self.stop.is_set():
             rounds += 1
             yield from self._variations(sources, seen, rounds, deadline)
+
+    def _general(self, talks: dict[str, list[dict]], val_ids: set[str],
+                 deadline: float) -> Iterator[tuple[str, D.Batch]]:  # fmt: skip
+        """General prompts (engine.forge.bank) in full batches, a round of follow-ups on the given prompts between
+        them while there are rounds left; each prompt answered once, greedily or sampled by turns. A first batch of
+        them, answered greedily, is validation data: new subjects, as the held-out prompts are."""
+        from engine.decoding.runtime import encode_prompt
+        from engine.forge.bank import Bank
+
+        cfg, tok = self.cfg, self.loaded.tokenizer
+        asked = [i.prompt for i in self.train_set.items + self.val_set.items + self.held_set.items]
+        general = Bank(cfg.seed, {" ".join(p.lower().split()) for p in asked})
+        general.use([t[1]["content"] for t in talks.values() if len(t) > 1])
+        first = [(i, encode_prompt(tok, p, self.chat)) for i, p in general.take(min(32, cfg.batch_size))]
+        for b in D.batches(first, cfg.batch_size, (0.0,), cfg.max_new_tokens, ("general",)):
+            yield "val", b
+        round_ = 0
+        while time.perf_counter() < deadline and not self.stop.is_set():
+            if round_ < len(D.FOLLOW_UPS):
+                yield from self._follow_ups(talks, val_ids, round_)
+                round_ += 1
+            prompts = sorted(((i, encode_prompt(tok, p, self.chat)) for i, p in general.take(cfg.batch_size)),
+                             key=lambda x: len(x[1]))  # fmt: skip
+            temperatures = [0.0 if k % 2 == 0 else cfg.temperature for k in range(len(prompts))]
+            yield "train", D.Batch([p for _, p in prompts], [i for i, _ in prompts], temperatures,
+                                   cfg.max_new_tokens, "general")  # fmt: skip
+            greedy = [s for s, t in zip(self._made, temperatures) if t == 0.0]
+            general.use(D.texts(tok, greedy, self.eos))
 
     def _answered(self, talks: dict[str, list[dict]], sequences: list[D.Sequence]) -> None:
         """The first greedy answers just made, added to their conversations as the assistant's turn."""
