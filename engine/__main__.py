@@ -130,7 +130,7 @@ def parser() -> argparse.ArgumentParser:
                        "and measured")
     forge.add_argument("--out", required=True, help="the head's folder (an existing forge folder resumes)")
     forge.add_argument("--held-out", type=float, default=0.2, help="share of the prompts never trained on, measured "
-                       "at the end")
+                       "at the end (1: all of them, the head learns from general prompts alone)")
     forge.add_argument("--seed", type=int, default=0)
     forge.add_argument("--dtype", default="float32")
     forge.add_argument("--device", default="auto")

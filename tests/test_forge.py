@@ -243,3 +243,14 @@ def test_general_prompts_are_varied_new_and_never_the_suites():
     on_answers = [p for _, p in general.take(90) if "mice," in p]  # a word no typo touches
     assert len(on_answers) >= 5 and any(answer in p for p in on_answers)
     assert any(answer not in p for p in on_answers)  # the one with typos to fix
+
+
+def test_a_held_out_share_of_one_measures_every_prompt_and_trains_on_general_ones():
+    from engine.errors import UserError
+    from engine.forge import ForgeConfig
+    from engine.forge.pipeline import prompt_sets
+
+    train, val, held = prompt_sets(ForgeConfig(target="t", out="o", held_out=1.0))
+    assert not train.items and not val.items and len(held.items) == 45  # the task suite
+    with pytest.raises(UserError, match="general prompts"):
+        prompt_sets(ForgeConfig(target="t", out="o", held_out=1.0, general=False))

@@ -116,6 +116,14 @@ def prompt_sets(cfg: ForgeConfig):
     from engine.measure import promptsets
 
     found = promptsets.load(cfg.suite)
+    if cfg.held_out >= 1:  # every given prompt measured, none trained on: a head from general prompts alone
+        if not cfg.general:
+            from engine.errors import UserError
+
+            raise UserError("a held-out share of 1 leaves no prompts to train on without general prompts: give a "
+                            "smaller share, or let the forge use its general prompts.")  # fmt: skip
+        return found.narrowed([], part="train"), found.narrowed([], part="val"), found.narrowed(found.items,
+                                                                                                 part="held-out")
     train_side, held = found.split(cfg.held_out, cfg.seed) if cfg.held_out else (found, found.narrowed([]))
     inside = [i for i in train_side.items if not promptsets.is_held_out(i.id, VAL_SHARE, cfg.seed + 1)]
     val = [i for i in train_side.items if promptsets.is_held_out(i.id, VAL_SHARE, cfg.seed + 1)]
@@ -459,7 +467,7 @@ def _revision(loaded) -> str:
 def _sources(sequences: list[D.Sequence]) -> dict:
     out: dict[str, int] = {}
     for s in sequences:
-        out[s.source] = out.get(s.source, 0) + len(s.tokens) - s.prompt_len
+        out[s.source] = out.get(s.source, 0) + s.answer_len
     return out
 
 
