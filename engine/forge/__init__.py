@@ -4,6 +4,7 @@ engine serves. It uses the engine (models, prompt sets, heads, bench); nothing i
     pipeline the pipeline: prompts and their held-out split, data, vocabulary, training, export, "does it pay";
              ForgeConfig in, ForgeEvents out (forge_events), or the summary at the end (forge)
     data     the target's own answers in left-padded batches, with hidden states and top-k soft labels, as shards
+    bank     general prompts beside the given ones (presets/forge_bank.json), so a head learns the target itself
     train    draft vocabulary, the head's starting weights, the train-time-test forward and its loss
     loop     the training loop: time-based schedule, validation, best state, checkpoints to resume from
     machine  threads and bfloat16 chosen by timing this machine
