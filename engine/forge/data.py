@@ -162,9 +162,13 @@ def generate(model, batch: Batch, layers: tuple[int, ...], eos: set[int], genera
     cache = DynamicCache(config=model.config)
     rows, active = Rows(len(batch.prompts)), list(range(len(batch.prompts)))
     temperatures = torch.tensor(batch.temperatures, dtype=torch.float32, device=device)
+    # the last row's logits only, picked by index: `logits_to_keep=1` slices the states into a strided (B, 1, H) view,
+    # which the LM head's matmul turned into a batched product over B copies of its weight (a bfloat16 prefill of
+    # 128 prompts took 14.9 s instead of 2.4 s; with an 8B target's vocabulary the copies would not fit a GPU)
+    last = torch.tensor([ids.shape[1] - 1], device=device)
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                    output_hidden_states=True, logits_to_keep=1)  # fmt: skip
+                    output_hidden_states=True, logits_to_keep=last)  # fmt: skip
         prompt_feats = torch.cat([out.hidden_states[i] for i in layers], -1).float()  # (B, width, F)
         finished = torch.zeros(len(active), dtype=torch.bool)
         for step in range(batch.max_new_tokens):
