@@ -228,7 +228,7 @@ def test_general_prompts_are_varied_new_and_never_the_suites():
     strings = [s for v in bank().values() if isinstance(v, list) for s in v] + [bank()["about"]]
     assert not [s for s in strings if _grams(s) & suite]
     avoid = "Give three interesting facts about rivers."
-    taken = Bank(seed=0, avoid={avoid.lower()}).take(400)
+    taken = Bank(seed=0, avoid=[avoid.upper()]).take(400)
     texts = [p for _, p in taken]
     assert len(set(texts)) == len({i for i, _ in taken}) == 400 and avoid not in texts
     assert not [t for t in texts if _grams(t) & suite]
@@ -254,3 +254,5 @@ def test_a_held_out_share_of_one_measures_every_prompt_and_trains_on_general_one
     assert not train.items and not val.items and len(held.items) == 45  # the task suite
     with pytest.raises(UserError, match="general prompts"):
         prompt_sets(ForgeConfig(target="t", out="o", held_out=1.0, general=False))
+    with pytest.raises(UserError, match="out of range"):  # above 1 is no share at all
+        prompt_sets(ForgeConfig(target="t", out="o", held_out=1.5))

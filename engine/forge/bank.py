@@ -11,11 +11,11 @@ as rewriting and summarising need. Kinds take turns, the choices are seeded, no 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from functools import lru_cache
 
+from engine.forge.data import normalised, prompt_id
 from engine.presets import PRESETS
 
 KINDS = ("topic", "topic", "topic", "code", "problem", "translate", "record", "text", "text")  # one turn each
@@ -24,10 +24,6 @@ KINDS = ("topic", "topic", "topic", "code", "problem", "translate", "record", "t
 @lru_cache(maxsize=1)
 def bank() -> dict:
     return json.loads((PRESETS / "forge_bank.json").read_text())
-
-
-def bank_id(text: str) -> str:
-    return "bank-" + hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def typos(text: str, rng: random.Random, rate: float = 0.08) -> str:
@@ -52,9 +48,9 @@ def excerpt(text: str, most: int = 700) -> str:
 class Bank:
     """An endless, seeded stream of general prompts; `use` gives it the target's answers for the text tasks."""
 
-    def __init__(self, seed: int = 0, avoid: set[str] | None = None):
+    def __init__(self, seed: int = 0, avoid: list[str] | set[str] | None = None):
         self.rng = random.Random(seed)
-        self.seen = set(avoid or ())  # normalised prompts never to ask (the user's, the held-out ones)
+        self.seen = {normalised(p) for p in avoid or ()}  # prompts never to ask (the user's, the held-out ones)
         self.texts: list[str] = []
         self.turn = 0
 
@@ -71,10 +67,10 @@ class Bank:
             kind = KINDS[self.turn % len(KINDS)]
             self.turn += 1
             text = self._one("topic" if kind == "text" and not self.texts else kind)
-            key = " ".join(text.lower().split())
+            key = normalised(text)
             if key not in self.seen:
                 self.seen.add(key)
-                out.append((bank_id(text), text))
+                out.append((prompt_id(text, "bank"), text))
         return out
 
     def _one(self, kind: str) -> str:

@@ -226,15 +226,20 @@ def texts(tokenizer, sequences: list[Sequence], eos: set[int]) -> list[str]:
 
 def usable_variation(text: str, seen: set[str]) -> bool:
     """A prompt the target wrote that is worth answering: not empty, not huge, not a repeat."""
-    key = " ".join(text.lower().split())
+    key = normalised(text)
     if not 15 <= len(text) <= 800 or key in seen:
         return False
     seen.add(key)
     return True
 
 
-def prompt_id(text: str) -> str:
-    return "gen-" + hashlib.sha256(text.encode()).hexdigest()[:12]
+def normalised(text: str) -> str:
+    """A prompt as compared for repeats: lower case, whitespace collapsed."""
+    return " ".join(text.lower().split())
+
+
+def prompt_id(text: str, prefix: str = "gen") -> str:
+    return f"{prefix}-" + hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 # --- shards on disk -----------------------------------------------------------------------------------------------

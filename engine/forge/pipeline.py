@@ -116,7 +116,7 @@ def prompt_sets(cfg: ForgeConfig):
     from engine.measure import promptsets
 
     found = promptsets.load(cfg.suite)
-    if cfg.held_out >= 1:  # every given prompt measured, none trained on: a head from general prompts alone
+    if cfg.held_out == 1:  # every given prompt measured, none trained on: a head from general prompts alone
         if not cfg.general:
             from engine.errors import UserError
 
@@ -261,7 +261,7 @@ class Forge:
             if time.perf_counter() >= deadline or self.stop.is_set():
                 return
             yield from self._follow_ups(talks, val_ids, round_)
-        seen = {" ".join(i.prompt.lower().split()) for i in self.train_set.items + self.val_set.items}
+        seen = {D.normalised(i.prompt) for i in self.train_set.items + self.val_set.items}
         sources = [i.prompt for i in self.train_set.items]
         rounds = 0
         while cfg.variations and rounds < 50 and time.perf_counter() < deadline and not self.stop.is_set():
@@ -278,7 +278,7 @@ class Forge:
 
         cfg, tok = self.cfg, self.loaded.tokenizer
         asked = [i.prompt for i in self.train_set.items + self.val_set.items + self.held_set.items]
-        general = Bank(cfg.seed, {" ".join(p.lower().split()) for p in asked})
+        general = Bank(cfg.seed, asked)
         general.use([t[1]["content"] for t in talks.values() if len(t) > 1])
         first = [(i, encode_prompt(tok, p, self.chat)) for i, p in general.take(min(32, cfg.batch_size))]
         for b in D.batches(first, cfg.batch_size, (0.0,), cfg.max_new_tokens, ("general",)):
