@@ -131,6 +131,8 @@ class Live:
         if isinstance(event, (Status, RunStarts)):
             self.status = event.message
             self.begun = self.begun or isinstance(event, RunStarts)
+            if isinstance(event, RunStarts):  # its stats say "running" before its first token
+                self.running = event.mode
         elif isinstance(event, Step):
             self.running = event.mode
             self.steps[event.mode].append(event.event)

@@ -119,7 +119,7 @@ def text_marks(text: str) -> str:
 
 def stats_line(m: Metrics | None, running: bool) -> str:
     if m is None:
-        return "not started"
+        return "running" if running else "not started"
     state = "running" if running else (m.finish_reason or "done")
     return f"{m.tokens_per_s:.1f} tok/s · {m.new_tokens} tokens · {m.total_s:.2f} s · {state}"
 

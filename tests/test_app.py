@@ -206,6 +206,7 @@ def test_an_empty_pane_says_what_is_happening_until_its_first_token():
         _, base, spec, *_ = live.outputs(chart=False)
         assert f"{event.message}…" in base and "waiting…" not in base, base
     assert "starts when the baseline ends…" in spec
+    assert ">running<" in base and ">not started<" in spec  # the stats beside each title
 
 
 def test_colours_follow_token_origin():
