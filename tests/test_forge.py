@@ -256,3 +256,32 @@ def test_a_held_out_share_of_one_measures_every_prompt_and_trains_on_general_one
         prompt_sets(ForgeConfig(target="t", out="o", held_out=1.0, general=False))
     with pytest.raises(UserError, match="out of range"):  # above 1 is no share at all
         prompt_sets(ForgeConfig(target="t", out="o", held_out=1.5))
+
+
+def test_the_forge_runs_on_the_engine_thread_and_a_first_ctrl_c_stops_it(monkeypatch):
+    """All of its torch work on the engine thread, where the final measurement's bench runs (two OpenMP teams on two
+    cores slowed the bench's passes 2x); a Ctrl-C (SIGINT, sent while the forge works) sets its stop flag, and the
+    forge ends as Stop ends it, with its summary."""
+    import os
+    import signal
+    import threading
+
+    from engine.forge import pipeline
+    from engine.worker import ENGINE
+
+    seen = {}
+
+    def fake_events(cfg, stop, notify=None):
+        seen["on_engine"] = ENGINE.on_it()
+        yield pipeline.ForgeEvent("train", "working")
+        if seen["on_engine"]:  # (on the main thread the signal would end the test session)
+            os.kill(os.getpid(), signal.SIGINT)  # the main thread waits for the next event meanwhile
+        seen["stopped"] = stop.wait(20 if seen["on_engine"] else 0)
+        yield pipeline.ForgeEvent("done", "stopped", 1.0, metrics={"result": {"stopped": seen["stopped"]}})
+
+    monkeypatch.setattr(pipeline, "forge_events", fake_events)
+    events = []
+    assert threading.current_thread() is threading.main_thread()
+    summary = pipeline.forge(pipeline.ForgeConfig(target="t", out="o"), events.append)
+    assert seen == {"on_engine": True, "stopped": True} and summary == {"stopped": True}
+    assert [e.phase for e in events] == ["train", "stop", "done"]
