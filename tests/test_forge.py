@@ -110,6 +110,10 @@ def test_a_forged_head_loads_and_runs_lossless(forged):
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]
     rows = [r for r in summary["pays"]["rows"] if r["drafter"] == "eagle3"]
     assert rows and all(r["identical"] is True for r in rows)  # greedy ids == the baseline's
+    from engine.measure import promptsets  # measured by a process of its own, on prompts it wrote down
+
+    written = promptsets.read_file(Path(cfg.out) / "held-out.jsonl")
+    assert [i.id for i in written.items] == summary["prompts"]["held_out_ids"] == summary["pays"]["prompts"]
     card = (Path(cfg.out) / "README.md").read_text()
     assert "Held-out acceptance" in card and summary["machine"] in card
 
