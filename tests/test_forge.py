@@ -289,3 +289,21 @@ def test_the_forge_runs_on_the_engine_thread_and_a_first_ctrl_c_stops_it(monkeyp
     summary = pipeline.forge(pipeline.ForgeConfig(target="t", out="o"), events.append)
     assert seen == {"on_engine": True, "stopped": True} and summary == {"stopped": True}
     assert [e.phase for e in events] == ["train", "stop", "done"]
+
+
+def test_sampled_rows_draw_from_the_targets_distribution_at_their_temperature():
+    """The data's sampled answers follow softmax(logits / T) row by row; greedy rows take the argmax."""
+    from engine.forge.data import _pick
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 12, generator=gen) * 2
+    temperatures = torch.tensor([0.0, 0.7, 1.3])
+    n = 20000
+    many = logits.repeat(n, 1)
+    picks = _pick(many, many.topk(4, -1).indices, temperatures.repeat(n), gen).view(n, 3)
+    assert bool((picks[:, 0] == logits[0].argmax()).all())
+    for row in (1, 2):
+        seen = torch.bincount(picks[:, row], minlength=12).double() / n
+        expected = torch.softmax(logits[row] / temperatures[row], -1).double()
+        assert float((seen - expected).abs().max()) < 0.015  # ~4 standard deviations at n = 20,000
+        assert not bool(seen[expected < 1e-9].any())

@@ -119,14 +119,21 @@ def _left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
-def _pick(logits: torch.Tensor, temperatures: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Next tokens (B,) from last-row logits (B, V): per row the argmax (temperature 0) or a draw at its temperature."""
-    greedy = logits.argmax(-1)
-    if not bool((temperatures > 0).any()):
+def _pick(logits: torch.Tensor, top: torch.Tensor, temperatures: torch.Tensor,
+          generator: torch.Generator) -> torch.Tensor:  # fmt: skip
+    """Next tokens (B,) from last-row logits (B, V) and their top-k ids (B, k): per row the argmax (temperature 0:
+    the top-k's first, no second pass over the vocabulary) or a draw at its temperature, by the inverse of the
+    cumulative distribution (one uniform number per row). torch.multinomial drew an exponential for every entry of
+    the vocabulary: 100 ms a step for 128 rows of the bundled model's 49,152, 29% of a bfloat16 data pass."""
+    greedy = top[:, 0]
+    rows = torch.nonzero(temperatures > 0)[:, 0]
+    if not rows.numel():
         return greedy
-    probs = torch.softmax(logits.float() / temperatures.clamp(min=1e-6)[:, None], -1)
-    drawn = torch.multinomial(probs, 1, generator=generator)[:, 0]
-    return torch.where(temperatures > 0, drawn, greedy)
+    probs = torch.softmax(logits[rows] / temperatures[rows, None], -1)
+    cdf = probs.cumsum(-1)
+    u = torch.rand((rows.numel(), 1), generator=generator, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+    drawn = torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=logits.shape[-1] - 1)
+    return greedy.index_copy(0, rows, drawn)
 
 
 class Rows:
@@ -175,7 +182,7 @@ def generate(model, batch: Batch, layers: tuple[int, ...], eos: set[int], genera
             feats = None if step == 0 else torch.cat([out.hidden_states[i][:, -1] for i in layers], -1).float()
             logits = out.logits[:, -1].float()  # (B, V)
             p, top = torch.softmax(logits, -1).topk(TOP_K, -1)
-            token = _pick(logits, temperatures, generator)
+            token = _pick(logits, top, temperatures, generator)
             running = ~finished
             keep = [j for j in range(len(active)) if running[j]]
             rows.add([active[j] for j in keep], None if feats is None else feats[keep], top[keep].to(torch.int32),
