@@ -153,6 +153,49 @@ class Rows:
             self.tokens[r].append(token_list[j])
 
 
+def _growing_cache(model):
+    """A DynamicCache whose full-attention layers write their keys and values into room kept ahead (doubling) rather
+    than concatenating: at every step DynamicLayer copied the whole cache of every layer, 18% of a bfloat16 data
+    pass of 128 rows and 128 new tokens."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    class Growing(DynamicLayer):
+        length = 0
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+                self.room_k = self.room_v = None
+            end = self.length + key_states.shape[-2]
+            if self.room_k is None or end > self.room_k.shape[-2]:
+                size = max(end, 2 * (0 if self.room_k is None else self.room_k.shape[-2]))
+                shape = key_states.shape[:2] + (size,) + key_states.shape[3:]
+                room_k, room_v = key_states.new_empty(shape), value_states.new_empty(shape)
+                if self.length:
+                    room_k[..., : self.length, :] = self.keys
+                    room_v[..., : self.length, :] = self.values
+                self.room_k, self.room_v = room_k, room_v
+            self.room_k[..., self.length : end, :] = key_states
+            self.room_v[..., self.length : end, :] = value_states
+            self.length = end
+            self.keys, self.values = self.room_k[..., :end, :], self.room_v[..., :end, :]
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            if self.length:
+                self.room_k, self.room_v = self.room_k[indices], self.room_v[indices]
+                self.keys, self.values = self.room_k[..., : self.length, :], self.room_v[..., : self.length, :]
+
+        def crop(self, tokens_to_remove: int) -> None:
+            super().crop(tokens_to_remove)
+            self.length = self.get_seq_length()
+
+    cache = DynamicCache(config=model.config)
+    cache.layers = [Growing() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
 def generate(model, batch: Batch, layers: tuple[int, ...], eos: set[int], generator: torch.Generator,
              deadline: float = float("inf"), compact: float = 0.25, stop=None) -> list[Sequence]:  # fmt: skip
     """The target answers a batch of prompts, left-padded, over a KV cache; each pass's hidden states of `layers`
@@ -160,13 +203,11 @@ def generate(model, batch: Batch, layers: tuple[int, ...], eos: set[int], genera
     (time.perf_counter()) or when `stop` (a threading.Event) is set, keeping what they have so far. Once `compact`
     of the running rows have finished they leave the batch (their keys and values too): answers end at very
     different lengths, and a finished row costs a running one's compute."""
-    from transformers import DynamicCache
-
     device = next(model.parameters()).device
     ids, mask = _left_pad(batch.prompts, 0)
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.config)
+    cache = _growing_cache(model)
     rows, active = Rows(len(batch.prompts)), list(range(len(batch.prompts)))
     temperatures = torch.tensor(batch.temperatures, dtype=torch.float32, device=device)
     # the last row's logits only, picked by index: `logits_to_keep=1` slices the states into a strided (B, 1, H) view,
