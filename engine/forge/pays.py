@@ -109,16 +109,23 @@ def run(job: dict, progress=lambda done, total, what: None) -> dict:
     return summarise(head, others, job.get("recommended"))
 
 
+def _mean(samples: list[dict], cell: int, key: str) -> float | None:
+    values = [s[key] for s in samples if s["cell"] == cell and s[key] is not None]
+    return sum(values) / len(values) if values else None
+
+
 def summarise(head: dict, others: dict, recommended: int | None) -> dict:
+    """The table: per drafter and gamma the median speedup over the prompts and the mean accepted length per verify
+    pass (a median of a few 64-token answers read 63/46 at gamma 2, 3 and 4 alike)."""
     fits = {f["drafter"]: f for f in head["fits"] + others["fits"]}
     rows = []
     for data in (head, others):
-        for cell in data["cells"]:
+        for i, cell in enumerate(data["cells"]):
             fit = fits.get(cell["drafter"], {})
             predicted = next((p["predicted"] for p in fit.get("curve", []) if p["gamma"] == cell["gamma"]), None)
             rows.append({"drafter": cell["drafter"], "gamma": cell["gamma"],
                          "speedup": cell["speedup"]["median"], "predicted": predicted,
-                         "mean_accepted_length": cell["mean_accepted_length"]["median"],
+                         "mean_accepted_length": _mean(data["samples"], i, "mean_accepted_length"),
                          "acceptance_rate": cell["acceptance_rate"]["median"], "identical": cell["all_identical"],
                          "by_category": {k: v["speedup"]["median"]
                                          for k, v in cell["by_category"].items()}})  # fmt: skip
