@@ -328,3 +328,33 @@ def test_the_pays_table_gives_the_mean_accepted_length_over_the_prompts():
     got = {(r["drafter"], r["gamma"]): r["mean_accepted_length"] for r in table["rows"]}
     assert got[("eagle3", 1)] == pytest.approx(1.5) and got[("eagle3", 2)] == pytest.approx(1.7)
     assert got[("suffix", 4)] == pytest.approx(1.5) and table["recommended"]["gamma"] == 2
+
+
+def test_ctrl_c_on_the_command_line_stops_the_forge_and_keeps_the_head(forged, tmp_path):
+    """`python -m engine forge`: a first Ctrl-C (SIGINT) in training ends the run as Stop does: the head is written and
+    the command exits 0. (Its data passes on a bfloat16 copy of the float32 target, --data-dtype.)"""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    cfg = forged[0]
+    out = tmp_path / "head"
+    command = [sys.executable, "-m", "engine", "forge", "--target", cfg.target, "--prompts", cfg.suite, "--minutes",
+               "0.5", "--out", str(out), "--gamma-max", "2", "--max-new-tokens", "16", "--batch-size", "16",
+               "--threads", "1", "--no-pays", "--data-dtype", "bfloat16"]  # fmt: skip
+    child = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, HF_HUB_OFFLINE="1"))  # fmt: skip
+    said = []
+    for line in child.stderr:
+        said.append(line)
+        if line.split()[:1] == ["train"] and len(said) > 1 and child.poll() is None:
+            child.send_signal(signal.SIGINT)
+            break
+    printed, errors = child.communicate(timeout=120)
+    said.append(errors)
+    assert child.returncode == 0, "".join(said)
+    assert "stopping at the next batch" in "".join(said)
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    assert "forged" in printed
+    assert "made in bfloat16" in (out / "README.md").read_text()  # the data passes ran on a 16-bit copy
