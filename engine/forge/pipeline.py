@@ -203,12 +203,9 @@ class Forge:
         if threads:
             torch.set_num_threads(threads)
             self.machine.threads = threads
-        self.data_model, data = model, ""
-        if self.cfg.data_dtype not in ("target", str(self.loaded.dtype).removeprefix("torch.")):
-            from engine.models.loading import resolve_dtype
-
-            self.data_model = copy.deepcopy(model).to(resolve_dtype(self.cfg.data_dtype, self.loaded.device))
-            data = f"; data passes on a {self.cfg.data_dtype} copy"
+        own = str(self.loaded.dtype).removeprefix("torch.")
+        self.data_dtype = own if self.cfg.data_dtype in ("target", own) else self.cfg.data_dtype
+        data = "" if self.data_dtype == own else f"; data passes on a {self.data_dtype} copy"
         yield self.event("load", f"{self.loaded.describe()}; {self.machine.describe()}{data}", 1.0)
 
     # -- 1. data --
@@ -221,6 +218,11 @@ class Forge:
             yield self.event("data", f"read {self.dataset.answer_tokens():,} answer tokens back from {folder}", 1.0)
             return
         self.budget.phase("data")
+        model = self.loaded.model
+        if self.data_dtype != str(self.loaded.dtype).removeprefix("torch."):
+            from engine.models.loading import resolve_dtype
+
+            model = copy.deepcopy(model).to(resolve_dtype(self.data_dtype, self.loaded.device))
         after_load = self.budget.left()
         deadline = time.perf_counter() + max(10.0, cfg.data_share * after_load)
         started = time.perf_counter()
@@ -229,7 +231,7 @@ class Forge:
             if self.stop.is_set() or time.perf_counter() > deadline:
                 break
             split, batch = what
-            sequences = D.generate(self.data_model, batch, self.layers, self.eos, self.generator, deadline,
+            sequences = D.generate(model, batch, self.layers, self.eos, self.generator, deadline,
                                    stop=self.stop)  # fmt: skip
             self._made = sequences  # what the plan reads back: new prompts, answers to follow up on
             if split == "ask":  # the target writing new prompts: its text is training data too
@@ -418,7 +420,7 @@ class Forge:
                      "train_answer_tokens": self.dataset.answer_tokens(),
                      "val_answer_tokens": self.dataset.answer_tokens("val"),
                      "sources": _sources(self.dataset.train), "bytes": self.dataset.bytes(),
-                     "dtype": str(next(self.data_model.parameters()).dtype).removeprefix("torch.")},
+                     "dtype": self.data_dtype},
             "vocabulary": self.vocab, "training": self.trainer.report(),
         }  # fmt: skip
 
@@ -456,7 +458,7 @@ class Forge:
         """Free the forge's own copy of the target and its data (a GPU would hold two targets otherwise)."""
         from engine.models.loading import MODELS, free_memory
 
-        self.loaded = self.data_model = self.dataset = self.trainer = self.head = None
+        self.loaded = self.dataset = self.trainer = self.head = None
         MODELS.drop(self.cfg.target, self.cfg.dtype, self.cfg.device, pack=False)
         free_memory()
 
