@@ -22,6 +22,7 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
+from engine.backends.servers import GUARD
 from engine.errors import UserError
 from engine.settings import Settings
 
@@ -45,8 +46,11 @@ def measure(cfg, held_out, summary: dict, progress=lambda done, total, what: Non
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     stop = stop or threading.Event()
     with tempfile.TemporaryFile() as log:
-        child = subprocess.Popen([sys.executable, "-m", "engine.forge.pays", json.dumps(job)], stdout=subprocess.PIPE,
-                                 stderr=log, stdin=subprocess.DEVNULL, text=True, env=env)  # fmt: skip
+        # under the servers' guardian (engine.backends.guard): a forge killed mid-measurement takes its child along
+        command = [sys.executable, str(GUARD), str(os.getpid()), "--", sys.executable, "-m", "engine.forge.pays",
+                   json.dumps(job)]  # fmt: skip
+        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
+                                 env=env)  # fmt: skip
         ended = threading.Event()
 
         def watch():  # a stop ends the measurement now, not after the prompt being measured
