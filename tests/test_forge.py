@@ -74,19 +74,28 @@ def test_the_draft_vocabulary_covers_the_labels_and_maps_both_ways():
     assert int((t2d >= 0).sum()) == ids.numel()
 
 
-@pytest.fixture(scope="module")
-def forged(model_dirs, tmp_path_factory):
-    """A 20-second forge of a 6-layer tiny Llama on 40 prompts, its events and summary."""
-    from engine.forge import ForgeConfig, forge
-
+def _target(model_dirs) -> Path:
     root = Path(model_dirs["target"]).parent  # SPECARENA_MODELS_DIR: the app may read local models from here
     folder = root / "forge-target"
     if not folder.is_dir():
         tiny_llama(layers=6).save_pretrained(folder)
         byte_tokenizer().save_pretrained(folder)
-    prompts = tmp_path_factory.mktemp("forge") / "prompts.jsonl"
+    return folder
+
+
+def _prompts(folder: Path) -> Path:
+    prompts = folder / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Say something about thing {i} please."}) + "\n"
                                for i in range(40)))  # fmt: skip
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def forged(model_dirs, tmp_path_factory):
+    """A 20-second forge of a 6-layer tiny Llama on 40 prompts, its events and summary."""
+    from engine.forge import ForgeConfig, forge
+
+    folder, prompts = _target(model_dirs), _prompts(tmp_path_factory.mktemp("forge"))
     out = tmp_path_factory.mktemp("forge") / "head"
     cfg = ForgeConfig(target=str(folder), out=str(out), suite=str(prompts), minutes=20 / 60, batch_size=16, steps=2,
                       max_new_tokens=16, threads="1", fast="off", pays=True, pays_max_new_tokens=16)  # fmt: skip
@@ -152,6 +161,64 @@ def test_a_forge_resumes_from_its_folder(forged):
     assert again["training"]["resumed"] is True
     assert again["training"]["steps"] > first["training"]["steps"]
     assert again["data"]["train_answer_tokens"] == first["data"]["train_answer_tokens"]  # read back, not remade
+
+
+def test_a_forge_killed_while_making_data_goes_on_where_it_was(model_dirs, tmp_path):
+    """A run killed between two data batches (no state written) resumes by replaying its plan over the shards on
+    disk: nothing is generated twice, what was written stays as it was, and the plan goes on to new batches."""
+    from engine.forge.data import Dataset
+    from engine.forge.pipeline import Forge, ForgeConfig, prompt_sets
+
+    cfg = ForgeConfig(target=str(_target(model_dirs)), out=str(tmp_path / "head"), suite=str(_prompts(tmp_path)),
+                      minutes=20 / 60, batch_size=16, steps=2, max_new_tokens=16, threads="1", fast="off")  # fmt: skip
+    threads = torch.get_num_threads()
+
+    def make_data(batches: int | None) -> list:
+        forge = Forge(cfg)
+        forge.train_set, forge.val_set, forge.held_set = prompt_sets(cfg)
+        try:
+            list(forge.load())
+            events = forge.make_data()
+            seen = []
+            for event in events:
+                seen.append(event)
+                if batches is not None and len(seen) == batches:
+                    events.close()  # as a kill: the state never says the data is done
+            return seen
+        finally:
+            torch.set_num_threads(threads)
+
+    make_data(3)
+    data = Path(cfg.out) / "data"
+    written = {p.name: p.read_bytes() for p in data.glob("shard-*")}
+    assert len(written) == 3 and not (Path(cfg.out) / "forge-state.json").exists()
+    events = make_data(None)
+    assert any("back from" in e.message for e in events)
+    assert all(data.joinpath(name).read_bytes() == raw for name, raw in written.items())
+    assert len(list(data.glob("shard-*"))) > len(written) + 1
+    keys = [(split, s.prompt_id, s.source) for split in ("train", "val") for s in getattr(Dataset.read(data), split)]
+    assert len(keys) == len(set(keys))  # no prompt answered twice the same way
+    greedy = {k[1] for k in keys if k[0] == "train" and k[2] == "greedy"}
+    train, _, _ = prompt_sets(cfg)
+    assert greedy == {i.id for i in train.items}  # and every training prompt once
+
+
+def test_replay_generates_only_the_rows_a_batch_lacks():
+    from engine.forge.data import Batch, Dataset, Replay, Sequence
+
+    def seq(prompt_id, source):
+        return Sequence([1, 2, 3], 1, torch.zeros(2, 4), torch.zeros(2, 16, dtype=torch.int32),
+                        torch.zeros(2, 16, dtype=torch.float16), source, prompt_id)  # fmt: skip
+
+    on_disk = Dataset(train=[seq("a", "greedy"), seq("c", "variation")], val=[seq("b", "greedy")])
+    replay = Replay(on_disk)
+    batch = Batch([[1], [2], [3], [4]], ["a", "b", "c", "c"], [0.0, 0.0, 0.0, 0.8], 8,
+                  ["greedy", "greedy", "variation", "variation"])  # fmt: skip
+    found, missing = replay.take("train", batch)
+    assert [s and s.prompt_id for s in found] == ["a", None, "c", None]  # b is validation data, not training
+    assert missing.ids == ["b", "c"] and missing.temperatures == [0.0, 0.8] and missing.prompts == [[2], [4]]
+    assert replay.take("val", Batch([[2]], ["b"], 0.0, 8, "greedy")) == ([on_disk.val[0]], None)
+    assert replay.taken == 2 + 2 + 2
 
 
 def test_batched_generation_gives_each_prompt_what_it_gets_alone():

@@ -308,7 +308,9 @@ def write_shard(folder: Path, index: int, sequences: list[Sequence], split: str)
     meta = {"split": split, "sources": json.dumps([s.source for s in sequences]),
             "prompt_ids": json.dumps([s.prompt_id for s in sequences])}  # fmt: skip
     path = folder / f"shard-{index:05d}-{split}.safetensors"
-    save_file(tensors, str(path), metadata=meta)
+    part = path.with_suffix(".part")  # a run killed while writing leaves no half shard for a resume to read
+    save_file(tensors, str(part), metadata=meta)
+    part.replace(path)
     return path
 
 
@@ -357,6 +359,34 @@ class Dataset:
             data.add(split, sequences)
             data.shards += 1
         return data
+
+
+class Replay:
+    """The sequences already on disk, by (split, prompt id, source): a resumed forge runs its plan again and takes
+    what was made from here instead of generating it twice (the plan is seeded, and what it reads back from the
+    target's answers, follow-ups and new prompts, comes from these same sequences)."""
+
+    def __init__(self, dataset: Dataset):
+        self.left: dict[tuple[str, str, str], list[Sequence]] = {}
+        for split, sequences in (("train", dataset.train), ("val", dataset.val)):
+            for s in sequences:
+                self.left.setdefault((split, s.prompt_id, s.source), []).append(s)
+        self.taken = 0  # answer tokens taken back
+
+    def take(self, split: str, batch: Batch) -> tuple[list[Sequence | None], Batch | None]:
+        """The batch's rows found on disk (None where missing) and a batch of the missing rows (None if none)."""
+        found: list[Sequence | None] = []
+        for prompt_id, source in zip(batch.ids, batch.sources):
+            stack = self.left.get((split, prompt_id, source))
+            found.append(stack.pop(0) if stack else None)
+        self.taken += sum(s.answer_len for s in found if s is not None)
+        missing = [i for i, s in enumerate(found) if s is None]
+        if not missing:
+            return found, None
+        rest = Batch([batch.prompts[i] for i in missing], [batch.ids[i] for i in missing],
+                     [batch.temperatures[i] for i in missing], batch.max_new_tokens,
+                     [batch.sources[i] for i in missing])  # fmt: skip
+        return found, rest
 
 
 # --- the plan: which prompts, answered how ----------------------------------------------------------------------

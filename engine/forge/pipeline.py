@@ -13,7 +13,8 @@
 
 `forge_events` yields ForgeEvents (phase, progress, ETA, loss and acceptance per draft position) for the CLI and the
 Lab; `forge` drains them. A stop flag ends the current phase at the next batch and the best state is still written.
-A folder that already holds data and a checkpoint resumes: its data is read back, training continues.
+A folder that already holds data and a checkpoint resumes: its data is read back, training continues; a run cut
+short while making data replays its plan over the shards on disk and generates only what is missing.
 """
 
 from __future__ import annotations
@@ -227,15 +228,24 @@ class Forge:
         deadline = time.perf_counter() + max(10.0, cfg.data_share * after_load)
         started = time.perf_counter()
         made_before = self.dataset.answer_tokens() + self.dataset.answer_tokens("val")
+        replay = D.Replay(self.dataset)  # a run cut short in this phase (killed, not stopped) goes on where it was
         for what in self._plan(deadline):
             if self.stop.is_set() or time.perf_counter() > deadline:
                 break
             split, batch = what
-            sequences = D.generate(model, batch, self.layers, self.eos, self.generator, deadline,
-                                   stop=self.stop)  # fmt: skip
-            self._made = sequences  # what the plan reads back: new prompts, answers to follow up on
             if split == "ask":  # the target writing new prompts: its text is training data too
                 split = "train"
+            found, missing = replay.take(split, batch)
+            if missing is None:
+                self._made = found  # what the plan reads back: new prompts, answers to follow up on
+                continue
+            if replay.taken:
+                yield self.event("data", f"read {replay.taken:,} answer tokens back from {folder}; going on from "
+                                 "there", 0.0)  # fmt: skip
+                replay.taken = 0
+            sequences = D.generate(model, missing, self.layers, self.eos, self.generator, deadline, stop=self.stop)
+            rows = iter(sequences)
+            self._made = [s if s is not None else next(rows) for s in found]
             D.write_shard(folder, self.dataset.shards, sequences, split)
             self.dataset.shards += 1
             self.dataset.add(split, sequences)
@@ -258,10 +268,9 @@ class Forge:
         size, n = cfg.batch_size, cfg.max_new_tokens
         both = (0.0, cfg.temperature)
         talks = {i.id: [{"role": "user", "content": i.prompt}] for i in self.train_set.items + self.val_set.items}
-        if not any(True for _ in self.dataset.val):
-            for b in D.batches(val, size, (0.0,), n, ("greedy",)):
-                yield "val", b
-                self._answered(talks, self._made)
+        for b in D.batches(val, size, (0.0,), n, ("greedy",)):
+            yield "val", b
+            self._answered(talks, self._made)
         for b in D.batches(train, size, both, n, ("greedy", "sampled")):
             yield "train", b
             self._answered(talks, self._made)
