@@ -316,6 +316,22 @@ def test_general_prompts_are_varied_new_and_never_the_suites():
     assert any(answer not in p for p in on_answers)  # the one with typos to fix
 
 
+def test_word_problems_never_take_away_more_than_there_is():
+    import re
+
+    from engine.forge.bank import Bank
+
+    general = Bank(seed=0)
+    problems = [general._one("problem") for _ in range(3000)]
+    shelves = [tuple(map(int, m.groups())) for t in problems
+               if (m := re.search(r"has (\d+) shelves with (\d+) books on each. (\d+) books are taken", t))]
+    stickers = [tuple(map(int, m.groups())) for t in problems
+                if (m := re.search(r"has (\d+) stickers, gives (\d+)", t))]
+    assert len(shelves) > 50 and len(stickers) > 50
+    assert all(0 < taken < n * each for n, each, taken in shelves)
+    assert all(0 < given < had for had, given in stickers)
+
+
 def test_a_held_out_share_of_one_measures_every_prompt_and_trains_on_general_ones():
     from engine.errors import UserError
     from engine.forge import ForgeConfig

@@ -82,8 +82,10 @@ class Bank:
             return r.choice(b["code_asks"]).format(task=r.choice(b["code_tasks"]))
         if kind == "problem":
             a, bb, c = r.randint(3, 250), r.randint(2, 40), r.randint(2, 60)
-            return r.choice(b["word_problems"]).format(a=a, b=bb, c=a + c, p=r.choice([5, 10, 15, 20, 25, 30, 40, 50]),
-                                                       m=r.choice(["05", "15", "30", "45"]))  # fmt: skip
+            # c above a (a rise); g and k below what there is (given away, taken away: never more than there is)
+            numbers = {"a": a, "b": bb, "c": a + c, "g": r.randint(1, a - 1), "k": r.randint(1, a * bb - 1),
+                       "p": r.choice([5, 10, 15, 20, 25, 30, 40, 50]), "m": r.choice(["05", "15", "30", "45"])}
+            return r.choice(b["word_problems"]).format(**numbers)
         if kind == "translate":
             said = " ".join(r.sample(b["sentences"], r.choice([1, 2])))
             return f"Translate into {r.choice(b['languages'])}: {said}"
