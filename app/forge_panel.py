@@ -38,7 +38,10 @@ are written under the SpecArena cache; naming an existing forge folder resumes i
 forge`."""
 
 FIELDS = {"forge_target": "target", "forge_minutes": "minutes", "forge_out": "output folder",
-          "forge_pays": "measure whether it pays"}  # fmt: skip
+          "forge_pays": "measure whether it pays", "forge_data": "data passes in", "forge_general": "general prompts",
+          "forge_hold_all": "measure on every prompt"}  # fmt: skip
+# the data passes' dtype (ForgeConfig.data_dtype): the target's own, or a 16-bit copy of a float32 target
+DATA_DTYPES = [("the target's own dtype", "target"), ("bfloat16 (a copy)", "bfloat16"), ("float16 (a copy)", "float16")]
 # the Lab's fields the forge reads (its prompt set and task categories): marked under them, as the sweep does
 SHARED = prompt_sets.FIELDS | {"categories": "task categories"}
 MIN_MINUTES, MAX_MINUTES = 1.0, 60.0
@@ -82,6 +85,15 @@ def build_layout() -> SimpleNamespace:
                                info=f"inside {heads_root()}", elem_id=field_id("forge_out"))  # fmt: skip
             f.pays = gr.Checkbox(True, label="measure whether it pays", info="on the held-out prompts, at the end",
                                  elem_id=field_id("forge_pays"))  # fmt: skip
+        with gr.Row():
+            f.data = gr.Dropdown(DATA_DTYPES, value="target", label="data passes in",
+                                 info="a 16-bit copy of a float32 target makes ~2x the data where the CPU has "
+                                 "bfloat16 units", elem_id=field_id("forge_data"))  # fmt: skip
+            f.general = gr.Checkbox(True, label="general prompts", info="the forge's own, beside the prompts below "
+                                    "(a head learns the target, not their subjects)",
+                                    elem_id=field_id("forge_general"))  # fmt: skip
+            f.hold_all = gr.Checkbox(False, label="measure on every prompt", info="train on general prompts alone; "
+                                     "all of the prompts below measure the head", elem_id=field_id("forge_hold_all"))
         f.prompts = gr.Markdown(elem_id="lab-forge-prompts")
         with gr.Row():
             f.run = gr.Button("Forge", variant="primary", elem_id="lab-forge-run", interactive=bool(most))
@@ -162,7 +174,8 @@ def suite_of(categories, file, dataset) -> str:
     return ",".join(categories)
 
 
-def plan(target, minutes, out, pays, categories, file=None, dataset="", seed="", held_out=0):
+def plan(target, minutes, out, pays, categories, file=None, dataset="", seed="", held_out=0, data_dtype="target",
+         general=True, hold_all=False):  # fmt: skip
     """The fields as a ForgeConfig, or a UserError naming the field at fault."""
     from engine.forge import ForgeConfig
 
@@ -180,8 +193,15 @@ def plan(target, minutes, out, pays, categories, file=None, dataset="", seed="",
     share = float(held_out or 0) or HELD_OUT
     with blame("held_out"):
         promptsets.check_share(share)
+    data_dtype = str(data_dtype or "target")
+    if data_dtype not in {value for _, value in DATA_DTYPES}:
+        raise UserError(f"data passes in {data_dtype!r}: choose target, bfloat16 or float16.", field="forge_data")
+    if hold_all and not general:
+        raise UserError("measuring on every prompt leaves nothing to train on without general prompts: tick general "
+                        "prompts, or untick measure on every prompt.", field="forge_general")  # fmt: skip
     return ForgeConfig(**({"target": target, "out": str(folder), "suite": suite, "minutes": minutes,
-                           "held_out": share, "seed": prompt_sets.seed_of(seed) or 0, "pays": bool(pays)} | OPTIONS))
+                           "held_out": 1.0 if hold_all else share, "seed": prompt_sets.seed_of(seed) or 0,
+                           "pays": bool(pays), "data_dtype": data_dtype, "general": bool(general)} | OPTIONS))
 
 
 def marked(exc: UserError) -> tuple[str, str]:
@@ -303,13 +323,14 @@ def verdict_markdown(summary: dict, folder: str, stopped: bool) -> str:
 
 
 def run_forge(target, minutes, out, pays, categories=(), prompts_file=None, dataset="", sample_seed="", held_out=0,
-              request: gr.Request = None):  # fmt: skip
+              data_dtype="target", general=True, hold_all=False, request: gr.Request = None):  # fmt: skip
     """Forge a head from the panel's fields and the Lab's prompt set. Yields (progress table, chart, verdict, pays
     table, "use this head" button, the head, status line, field mark): the phase, percent and ETA in the status
     line as it goes, the acceptance per draft position at each evaluation, the result at the end."""
     keep = (gr.skip(),) * OUTPUTS
     try:
-        cfg = plan(target, minutes, out, pays, categories, prompts_file, dataset, sample_seed, held_out)
+        cfg = plan(target, minutes, out, pays, categories, prompts_file, dataset, sample_seed, held_out, data_dtype,
+                   general, hold_all)  # fmt: skip
     except UserError as exc:
         yield (*keep, *marked(exc))
         raise api_error(exc) from None
@@ -381,7 +402,8 @@ def wire(f: SimpleNamespace, lab: SimpleNamespace, play: SimpleNamespace) -> Non
     shared = [lab.categories, lab.prompts_file, lab.dataset, lab.sample_seed, lab.held_out]
     outputs = [f.progress, f.chart, f.verdict, f.pays_table, f.use, f.head, f.status, f.form_error]
     # the device is held as a run holds it: one at a time with comparisons and sweeps
-    f.run.click(gpu.on_gpu(run_forge, forge_seconds), inputs=[f.target, f.minutes, f.out, f.pays, *shared],
+    f.run.click(gpu.on_gpu(run_forge, forge_seconds), inputs=[f.target, f.minutes, f.out, f.pays, *shared, f.data,
+                                                               f.general, f.hold_all],
                 outputs=outputs, preprocess=False, api_name="forge", concurrency_limit=1, concurrency_id="device",
                 show_progress="hidden")  # fmt: skip
     f.stop.click(stop, outputs=[f.status], queue=False, api_visibility="private")

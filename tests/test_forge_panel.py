@@ -111,6 +111,8 @@ def test_bad_fields_are_marked_under_themselves(panel, tmp_path, monkeypatch):
         ((target, 15, "", True, []), "categories", "task categories"),
         ((target, 15, "", True, ["code"], str(tmp_path / "missing.jsonl")), "prompts_file", "prompts file"),
         (("/etc", 15, "", True, ["code"]), "forge_target", "target"),  # outside the operator's models folder
+        ((target, 15, "", True, ["code"], None, "", "", 0, "int8"), "forge_data", "data passes in"),
+        ((target, 15, "", True, ["code"], None, "", "", 0, "target", False, True), "forge_general", "general prompts"),
     ]
     for args, field, label in cases:
         status, mark, err = refused(forge_panel, *args)
@@ -122,6 +124,23 @@ def test_bad_fields_are_marked_under_themselves(panel, tmp_path, monkeypatch):
     (other / "notes.txt").write_text("mine")
     status, mark, _ = refused(forge_panel, target, 15, "not-a-forge", True, ["code"])
     assert "#lab-field-forge_out" in mark and "something other than a forge" in mark
+
+
+def test_the_options_reach_the_forge(panel):
+    """The data passes' dtype, the general prompts and "measure on every prompt" are the command line's
+    --data-dtype, --no-general and --held-out 1."""
+    forge_panel, target, _ = panel
+    plain_run = forge_panel.plan(target, 5, "", True, ["code"])
+    assert (plain_run.data_dtype, plain_run.general, plain_run.held_out) == ("target", True, forge_panel.HELD_OUT)
+    cfg = forge_panel.plan(target, 5, "", True, ["code"], None, "", "", 0.3, "bfloat16", True, True)
+    assert (cfg.data_dtype, cfg.general, cfg.held_out) == ("bfloat16", True, 1.0)
+    cfg = forge_panel.plan(target, 5, "", True, ["code"], None, "", "", 0.3, "float16", False, False)
+    assert (cfg.data_dtype, cfg.general, cfg.held_out) == ("float16", False, 0.3)
+    from app.layout import build_demo
+
+    forge = next(fn for fn in build_demo().fns.values() if fn.name == "run_forge")
+    ids = [c.elem_id for c in forge.inputs]
+    assert ids[-3:] == ["lab-field-forge_data", "lab-field-forge_general", "lab-field-forge_hold_all"]
 
 
 def test_the_operator_can_cap_forges_or_turn_them_off(panel, monkeypatch):
