@@ -37,6 +37,37 @@ def test_a_server_is_reused_while_its_configuration_holds_and_stopped_at_the_end
     assert not first.alive() and not answers(port)
 
 
+def waits_for(flag, port: int) -> list[str]:
+    """A server that starts listening only once `flag` exists."""
+    code = (f"import pathlib, time\nwhile not pathlib.Path({str(flag)!r}).exists(): time.sleep(0.1)\n"
+            f"import http.server\nhttp.server.test(HandlerClass=http.server.SimpleHTTPRequestHandler, "
+            f"port={port}, bind='127.0.0.1')")  # fmt: skip
+    return [sys.executable, "-c", code]
+
+
+def test_the_missing_servers_start_together_and_fail_together(tmp_path):
+    """Two servers a run needs start at once (the first listens only after the second has started; one after the
+    other, the first would never answer); a running one is reused; when one fails, the one started with it stops."""
+    pool, flag = Pool(), tmp_path / "second-started"
+    a, b = free_port(), free_port()
+    second = [sys.executable, "-c", f"import pathlib, runpy, sys; pathlib.Path({str(flag)!r}).touch(); "
+              f"sys.argv = ['http.server', '{b}', '--bind', '127.0.0.1']; runpy.run_module('http.server', "
+              "run_name='__main__')"]  # fmt: skip
+    servers = pool.get_many({("a",): lambda: Server("first", waits_for(flag, a), a, "/"),
+                             ("b",): lambda: Server("second", second, b, "/")}, timeout=30)  # fmt: skip
+    assert answers(a) and answers(b) and list(servers) == [("a",), ("b",)]
+    c = free_port()
+    failing = [sys.executable, "-c", "raise SystemExit(3)"]
+    with pytest.raises(UserError, match="exited with code 3"):
+        pool.get_many({("a",): lambda: pytest.fail("not reused"),
+                       ("c",): lambda: Server("third", http_server(c), c, "/"),
+                       ("d",): lambda: Server("broken", failing, free_port(), "/")}, timeout=30)  # fmt: skip
+    assert not answers(c) and answers(a)  # the third was stopped with the broken one; the first still serves
+    assert [s.name for s in pool.running()] == ["first", "second"]
+    pool.stop_all()
+    assert not answers(a) and not answers(b)
+
+
 def test_a_server_that_fails_to_start_shows_the_end_of_its_log():
     command = [sys.executable, "-c", "print('loading weights'); print('boom: no such model'); raise SystemExit(3)"]
     with pytest.raises(UserError, match="(?s)exited with code 3 while starting.*boom: no such model"):

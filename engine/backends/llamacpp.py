@@ -326,17 +326,20 @@ class LlamaCpp:
         flags = {"baseline": ["--spec-type", "none"], "speculative": spec_flags(s, draft)}
         keys = {role: (str(path), str(model), tuple(args)) for role, args in flags.items()}
         POOL.stop_where(lambda key: key in keys.values() or key[0] != str(path))
-        for role, args in flags.items():
-
-            def make(role=role, args=args):
+        def maker(role, args):
+            def make():
                 port = free_port()
                 return Server(f"llama-server {role}", server_command(path, model, args, port), port, "/health",
                               explain=crash_cause)  # fmt: skip
 
-            yield Status(f"starting the llama-server {role} server")
-            server = yield from in_thread(lambda say, k=keys[role], m=make: POOL.get(k, m, START_TIMEOUT, say))
-            self.urls[role] = server.url
-            self.commands[role] = server.command
+            return make
+
+        wanted = {keys[role]: maker(role, args) for role, args in flags.items()}
+        yield Status("starting the llama-servers, baseline and speculative")
+        servers = yield from in_thread(lambda say: POOL.get_many(wanted, START_TIMEOUT, say))
+        for role in flags:
+            self.urls[role] = servers[keys[role]].url
+            self.commands[role] = servers[keys[role]].command
         self.model, self.build = str(model), f"b{number}" if number else line
         self.config = {"remote": False, "spec_flags": flags["speculative"], "binary": str(path)}
         self.serving = (str(model), json.dumps(flags["speculative"]))

@@ -123,7 +123,12 @@ class Server:
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout: float, progress=lambda message: None) -> "Server":
+        return self.launch().wait(timeout, progress)
+
+    def launch(self) -> "Server":
+        """Start the process and return at once (`wait` then waits for it to answer)."""
         log = self.log_path.open("wb")
+        self._launched = time.monotonic()
         try:
             self.process = subprocess.Popen(
                 [sys.executable, str(GUARD), str(os.getpid()), "--", *self.command], stdout=log,
@@ -132,7 +137,11 @@ class Server:
             )  # fmt: skip
         except OSError as exc:
             raise UserError(f"could not start {self.name} ({exc}): check the path in {self.command[0]!r}.") from None
-        deadline, said = time.monotonic() + timeout, 0.0
+        return self
+
+    def wait(self, timeout: float, progress=lambda message: None) -> "Server":
+        """Wait until the launched server answers on its health path, at most `timeout` seconds from its launch."""
+        deadline, said = self._launched + timeout, 0.0
         while True:
             if self.process.poll() is not None:
                 raise self.died(f"{self.name} {exit_words(self.process.returncode)} while starting")
@@ -196,15 +205,37 @@ class Pool:
         atexit.register(self.stop_all)
 
     def get(self, key: tuple, make, timeout: float, progress=lambda message: None) -> Server:
+        return self.get_many({key: make}, timeout, progress)[key]
+
+    def get_many(self, wanted: dict, timeout: float, progress=lambda message: None,
+                 together: bool = True) -> dict[tuple, Server]:  # fmt: skip
+        """A server for each key of `wanted` (key -> make): reused where one runs and answers, else made and started,
+        all the missing ones at once when `together` (a server on a CPU spends most of its start importing and
+        loading on one core: two vLLM servers started together were up in about the time of one, 2-core CPU).
+        If one fails to start, the others started with it are stopped."""
         with self._lock:
-            server = self._servers.get(key)
-            if server is not None and server.alive() and server.healthy():
-                return server
-            if server is not None:
-                server.stop()
-            server = make().start(timeout, progress)
-            self._servers[key] = server
-            return server
+            found, starting = {}, []
+            for key, make in wanted.items():
+                server = self._servers.get(key)
+                if server is not None and server.alive() and server.healthy():
+                    found[key] = server
+                    continue
+                if server is not None:
+                    server.stop()
+                    del self._servers[key]
+                starting.append((key, make()))
+            try:
+                if together:
+                    for _, server in starting:
+                        server.launch()
+                for key, server in starting:
+                    found[key] = (server.wait if together else server.start)(timeout, progress)
+            except BaseException:
+                for _, server in starting:
+                    server.stop()
+                raise
+            self._servers.update((key, server) for key, server in starting)
+            return {key: found[key] for key in wanted}
 
     def stop_where(self, keep) -> None:
         """Stop the servers whose key `keep(key)` rejects (e.g. another model's), to free their memory."""

@@ -187,15 +187,19 @@ class VLLM:
                                                   "--per-request-spec-decode-metrics", "detailed"]}  # fmt: skip
         keys = {role: (python, tuple(common), tuple(args)) for role, args in configs.items()}
         POOL.stop_where(lambda key: key in keys.values())  # another model's servers give their memory back
-        for role, args in configs.items():
-
-            def make(role=role, args=args):
+        def maker(role, args):
+            def make():
                 port = free_port()
                 return Server(f"vLLM {role}", common + args + ["--port", str(port)], port, "/health", env)
 
-            yield Status(f"starting the vLLM {role} server (30-60 s on a CPU)")
-            server = yield from in_thread(lambda say, k=keys[role], m=make: POOL.get(k, m, START_TIMEOUT, say))
-            self.urls[role] = server.url
+            return make
+
+        wanted = {keys[role]: maker(role, args) for role, args in configs.items()}
+        # on a GPU one after the other: each server sizes its KV cache from the memory it finds free
+        yield Status("starting the vLLM servers, baseline and speculative (30-60 s on a CPU)")
+        servers = yield from in_thread(lambda say: POOL.get_many(wanted, START_TIMEOUT, say, together=not share))
+        for role in configs:
+            self.urls[role] = servers[keys[role]].url
         self.max_len = http_json(self.urls["baseline"] + "/v1/models")["data"][0].get("max_model_len")
         self.config = {"remote": False, "speculative_config": spec_config, "dtype": dtype}
         self.serving = (s.target, s.dtype, json.dumps(spec_config, sort_keys=True))
