@@ -493,3 +493,25 @@ def test_on_a_phone_the_message_that_matters_stays_in_view(browser, live_app):
     assert first and first != "waiting…", first  # the phase (loading, warming up) or the text itself
     wait_status(page, "run 1", "done in")
     page.close()
+
+
+def test_the_forge_refuses_what_cannot_train_under_its_field_and_fits_a_phone(browser, live_app):
+    """The Lab's forge on a phone: its fields one under the other (a checkbox squeezed beside another wrapped its
+    label a word a line), "measure on every prompt" with general prompts off refused under general prompts before
+    anything loads, and the mark gone once that field is edited."""
+    page = open_page(browser, live_app, width=390, height=844)
+    page.click("button[role=tab]:has-text('Lab')")
+    page.click("#lab-forge .label-wrap")
+    page.wait_for_selector("#lab-field-forge_general", state="visible")
+    for name in ("forge_pays", "forge_data", "forge_general", "forge_hold_all"):
+        assert page.locator(f"#lab-field-{name}").bounding_box()["width"] >= 200, name
+    page.check("#lab-field-forge_hold_all input")
+    page.uncheck("#lab-field-forge_general input")
+    page.click("#lab-forge-run")
+    page.wait_for_selector("#lab-forge-form-error [data-field=forge_general]", timeout=60_000)
+    assert "nothing to train on without general prompts" in lab_field_message(page, "forge_general")
+    assert page.inner_text("#lab-forge-status .sa-status").strip() == "not started: check general prompts, as marked"
+    page.check("#lab-field-forge_general input")
+    page.wait_for_function("() => !document.querySelector('#lab-forge-form-error [data-field]')")
+    assert lab_field_message(page, "forge_general") == ""
+    page.close()
