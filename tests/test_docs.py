@@ -25,7 +25,7 @@ FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.S | re.M)
 SPAN = re.compile(r"(`+)(.+?)\1", re.S)  # a code span may wrap onto the next line
 INLINE_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 REFERENCE_LINK = re.compile(r"^\s*\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+.*)?$", re.M)
-COMMAND = re.compile(r"python -m engine\b")
+COMMAND = re.compile(r"python -m engine(?![.\w])")  # not `python -m engine.forge.pays`, a module of its own
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 SHELL_END = re.compile(r"\s(?:[|;>]|&&|\|\|)\s|$")  # where one command ends inside a line
 
