@@ -126,8 +126,8 @@ def parser() -> argparse.ArgumentParser:
     forge.add_argument("--suite", help="task categories (comma-separated; default: all)")
     forge.add_argument("--minutes", type=float, default=15.0, help="the whole budget: loading, data, training, "
                        "export (the final measurement comes on top)")
-    forge.add_argument("--gamma-max", type=int, default=4, help="train-time-test steps: the longest draft trained "
-                       "and measured")
+    forge.add_argument("--gamma-max", type=int, default=0, help="train-time-test steps: the longest draft trained "
+                       "and measured (0: 2 on a CPU, 4 on a GPU)")
     forge.add_argument("--out", required=True, help="the head's folder (an existing forge folder resumes)")
     forge.add_argument("--held-out", type=float, default=0.2, help="share of the prompts never trained on, measured "
                        "at the end (1: all of them, the head learns from general prompts alone)")

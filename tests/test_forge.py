@@ -203,6 +203,27 @@ def test_a_forge_killed_while_making_data_goes_on_where_it_was(model_dirs, tmp_p
     assert greedy == {i.id for i in train.items}  # and every training prompt once
 
 
+def test_the_trained_draft_length_defaults_to_the_machines(model_dirs, tmp_path):
+    """--gamma-max 0 (the default): 2 train-time-test steps on a CPU (its budget buys more updates than positions its
+    verify costs never use), 4 on a GPU; out of range refused before anything loads."""
+    from engine.errors import UserError
+    from engine.forge.pipeline import Forge, ForgeConfig
+
+    cfg = ForgeConfig(target=str(_target(model_dirs)), out=str(tmp_path / "head"), suite=str(_prompts(tmp_path)),
+                      threads="1", fast="off")  # fmt: skip
+    assert cfg.steps == 0
+    threads = torch.get_num_threads()
+    forge = Forge(cfg)
+    try:
+        said = [e.message for e in forge.load()]
+    finally:
+        torch.set_num_threads(threads)
+    assert forge.cfg.steps == 2 and "train-time test over 2 steps" in said[-1]
+    for wrong in (-1, 9):
+        with pytest.raises(UserError, match="gamma max"):
+            next(Forge(ForgeConfig(**{**cfg.__dict__, "steps": wrong})).run())
+
+
 def test_replay_generates_only_the_rows_a_batch_lacks():
     from engine.forge.data import Batch, Dataset, Replay, Sequence
 
