@@ -26,6 +26,7 @@ from app.handlers import RENDER_EVERY, STOPS, job_failure, session_of
 from app.handlers import _error as api_error
 from engine import policy
 from engine.errors import UserError, blame
+from engine.forge import DATA_DTYPES
 from engine.measure import promptsets
 
 log = logging.getLogger("specarena")
@@ -40,8 +41,8 @@ forge`."""
 FIELDS = {"forge_target": "target", "forge_minutes": "minutes", "forge_out": "output folder",
           "forge_pays": "measure whether it pays", "forge_data": "data passes in", "forge_general": "general prompts",
           "forge_hold_all": "measure on every prompt"}  # fmt: skip
-# the data passes' dtype (ForgeConfig.data_dtype): the target's own, or a 16-bit copy of a float32 target
-DATA_DTYPES = [("the target's own dtype", "target"), ("bfloat16 (a copy)", "bfloat16"), ("float16 (a copy)", "float16")]
+# the data passes' dtype (ForgeConfig.data_dtype, engine.forge.pipeline.DATA_DTYPES) as the dropdown shows them
+DATA_LABELS = {"target": "the target's own dtype", "bfloat16": "bfloat16 (a copy)", "float16": "float16 (a copy)"}
 # the Lab's fields the forge reads (its prompt set and task categories): marked under them, as the sweep does
 SHARED = prompt_sets.FIELDS | {"categories": "task categories"}
 MIN_MINUTES, MAX_MINUTES = 1.0, 60.0
@@ -86,7 +87,7 @@ def build_layout() -> SimpleNamespace:
             f.pays = gr.Checkbox(True, label="measure whether it pays", info="on the held-out prompts, at the end",
                                  elem_id=field_id("forge_pays"))  # fmt: skip
         with gr.Row():
-            f.data = gr.Dropdown(DATA_DTYPES, value="target", label="data passes in",
+            f.data = gr.Dropdown([(DATA_LABELS[d], d) for d in DATA_DTYPES], value="target", label="data passes in",
                                  info="a 16-bit copy of a float32 target makes ~2x the data where the CPU has "
                                  "bfloat16 units", elem_id=field_id("forge_data"))  # fmt: skip
             f.general = gr.Checkbox(True, label="general prompts", info="the forge's own, beside the prompts below "
@@ -194,8 +195,8 @@ def plan(target, minutes, out, pays, categories, file=None, dataset="", seed="",
     with blame("held_out"):
         promptsets.check_share(share)
     data_dtype = str(data_dtype or "target")
-    if data_dtype not in {value for _, value in DATA_DTYPES}:
-        raise UserError(f"data passes in {data_dtype!r}: choose target, bfloat16 or float16.", field="forge_data")
+    if data_dtype not in DATA_DTYPES:
+        raise UserError(f"data passes in {data_dtype!r}: choose {', '.join(DATA_DTYPES)}.", field="forge_data")
     if hold_all and not general:
         raise UserError("measuring on every prompt leaves nothing to train on without general prompts: tick general "
                         "prompts, or untick measure on every prompt.", field="forge_general")  # fmt: skip

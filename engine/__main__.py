@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from engine.errors import UserError
+from engine.forge import DATA_DTYPES
 from engine.settings import BACKENDS, BUNDLED, DRAFTERS, HEADS, STRICT
 
 
@@ -133,7 +134,7 @@ def parser() -> argparse.ArgumentParser:
                        "at the end (1: all of them, the head learns from general prompts alone)")
     forge.add_argument("--seed", type=int, default=0)
     forge.add_argument("--dtype", default="float32")
-    forge.add_argument("--data-dtype", default="target", choices=["target", "bfloat16", "float16"],
+    forge.add_argument("--data-dtype", default="target", choices=DATA_DTYPES,
                        help="the data passes' dtype: the target's own (default), or a 16-bit copy of a float32 target "
                        "(more data a minute where the CPU has 16-bit units; the head is still served on the target)")
     forge.add_argument("--device", default="auto")

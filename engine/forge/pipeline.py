@@ -214,7 +214,8 @@ class Forge:
             self.machine.threads = threads
         own = str(self.loaded.dtype).removeprefix("torch.")
         self.data_dtype = own if self.cfg.data_dtype in ("target", own) else self.cfg.data_dtype
-        data = "" if self.data_dtype == own else f"; data passes on a {self.data_dtype} copy"
+        self.data_copy = self.data_dtype != own  # the data passes on a copy of the target in that dtype
+        data = f"; data passes on a {self.data_dtype} copy" if self.data_copy else ""
         yield self.event("load", f"{self.loaded.describe()}; {self.machine.describe()}{data}; train-time test over "
                          f"{self.cfg.steps} steps", 1.0)  # fmt: skip
 
@@ -229,7 +230,7 @@ class Forge:
             return
         self.budget.phase("data")
         model = self.loaded.model
-        if self.data_dtype != str(self.loaded.dtype).removeprefix("torch."):
+        if self.data_copy:
             from engine.models.loading import resolve_dtype
 
             model = copy.deepcopy(model).to(resolve_dtype(self.data_dtype, self.loaded.device))
