@@ -24,6 +24,7 @@ import json
 import random
 import threading
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
@@ -557,7 +558,11 @@ def _next_on_engine(events: Iterator[ForgeEvent], stop: threading.Event, progres
     step = ENGINE.submit(next, events, None)
     while True:
         try:
-            return step.result()
+            # a short wait, again and again: a SIGINT the kernel hands to the busy engine thread only marks Python's
+            # handler as due, and a main thread blocked in one long wait would not run it until the step ended
+            return step.result(timeout=0.2)
+        except FutureTimeout:
+            continue
         except KeyboardInterrupt:
             if stop.is_set():
                 raise
