@@ -298,10 +298,9 @@ def pays_rows(pays: dict | None) -> list[list]:
 
 def head_of(summary: dict, folder: str) -> dict:
     """What "use this head" fills in: the target, the head's folder, and the draft length the forge proposes."""
-    gamma = ((summary.get("held_out") or {}).get("recommended") or {}).get("gamma")
-    fit = (summary.get("pays") or {}).get("head_fit") or {}
-    if fit.get("best_gamma") and (fit.get("best_speedup") or 0) > 1.0:  # as the forge writes into its config
-        gamma = fit["best_gamma"]
+    from engine.forge.export import proposed_gamma
+
+    gamma = proposed_gamma(summary)
     return {"target": summary.get("target"), "folder": folder, "gamma": gamma}
 
 
@@ -313,6 +312,10 @@ def verdict_markdown(summary: dict, folder: str, stopped: bool) -> str:
              + (", stopped early: the best checkpoint so far" if stopped else "") + ".",
              f"Held-out acceptance per draft position: {per or '-'}; expected accepted length "
              f"{training.get('val_expected_length') or 0:.2f} (best at step {training.get('best_step')})."]  # fmt: skip
+    served = training.get("val_per_pass") or []
+    if served:
+        lines[-1] += (" Replayed through the greedy loop, as the engine counts: " + ", ".join(
+            f"{x:.2f} tokens per verify pass at γ = {g}" for g, x in enumerate(served, 1)) + ".")  # fmt: skip
     gamma = head_of(summary, folder)["gamma"]
     if gamma:
         lines.append(f"The head's config proposes γ = {gamma}.")

@@ -125,6 +125,14 @@ def test_a_forged_head_loads_and_runs_lossless(forged):
     assert [i.id for i in written.items] == summary["prompts"]["held_out_ids"] == summary["pays"]["prompts"]
     card = (Path(cfg.out) / "README.md").read_text()
     assert "Held-out acceptance" in card and summary["machine"] in card
+    # one draft length proposed everywhere: the head's row measured fastest, in the config, the card and the Lab
+    from app.forge_panel import head_of
+
+    fastest = max(rows, key=lambda r: r["speedup"])["gamma"]
+    assert summary["pays"]["recommended"]["gamma"] == fastest
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == fastest
+    assert f"- proposed gamma {fastest}:" in card and f'"num_speculative_tokens":{fastest}' in card
+    assert head_of(summary, cfg.out)["gamma"] == fastest
 
 
 def test_held_out_prompts_are_never_generated_on(forged):
@@ -413,25 +421,36 @@ def test_sampled_rows_draw_from_the_targets_distribution_at_their_temperature():
         assert not bool(seen[expected < 1e-9].any())
 
 
-def test_the_pays_table_gives_the_mean_accepted_length_over_the_prompts():
-    """Medians of a few answers coincide across gammas (63/46 at gamma 2, 3 and 4 once); the mean tells them apart."""
+def test_the_pays_table_gives_the_mean_accepted_length_and_proposes_the_gamma_measured_fastest():
+    """Medians of a few answers coincide across gammas (63/46 at gamma 2, 3 and 4 once); the mean tells them apart.
+    The gamma proposed is the one measured fastest, not the one the validation answers predicted (a forge once said
+    "at the recommended gamma 2 the head gives 0.97x" and wrote gamma 1, measured 1.03x, into its config)."""
+    from engine.forge.export import proposed_gamma
     from engine.forge.pays import summarise
 
-    def sweep(drafter, lengths_by_gamma):
+    def sweep(drafter, lengths_by_gamma, speedups=None):
         cells, samples = [], []
         for i, (gamma, lengths) in enumerate(lengths_by_gamma.items()):
-            one = {"median": 1.0}
+            one = {"median": (speedups or {}).get(gamma, 1.0)}
             cells.append({"drafter": drafter, "gamma": gamma, "speedup": one, "acceptance_rate": one,
                           "mean_accepted_length": {"median": sorted(lengths)[1]}, "all_identical": True,
                           "by_category": {}})  # fmt: skip
             samples += [{"cell": i, "mean_accepted_length": v} for v in lengths]
         return {"cells": cells, "samples": samples, "fits": [], "prompt_set": {"ids": ["a", "b", "c"]}}
 
-    head = sweep("eagle3", {1: [1.0, 1.5, 2.0], 2: [1.0, 1.5, 2.6]})
-    table = summarise(head, sweep("suffix", {4: [1.2, 1.4, 1.9]}), recommended=2)
+    head = sweep("eagle3", {1: [1.0, 1.5, 2.0], 2: [1.0, 1.5, 2.6]}, {1: 1.03, 2: 0.97})
+    table = summarise(head, sweep("suffix", {4: [1.2, 1.4, 1.9]}), predicted_gamma=2)
     got = {(r["drafter"], r["gamma"]): r["mean_accepted_length"] for r in table["rows"]}
     assert got[("eagle3", 1)] == pytest.approx(1.5) and got[("eagle3", 2)] == pytest.approx(1.7)
-    assert got[("suffix", 4)] == pytest.approx(1.5) and table["recommended"]["gamma"] == 2
+    assert got[("suffix", 4)] == pytest.approx(1.5)
+    assert table["recommended"]["gamma"] == 1 and table["predicted_gamma"] == 2
+    assert table["verdict"].startswith("the head gives 1.03x at gamma 1")
+    assert "predicted gamma 2 best, measured 0.97x" in table["verdict"]
+    summary = {"held_out": {"recommended": {"gamma": 2}}}
+    assert proposed_gamma(summary) == 2  # before the measurement: the forecast
+    assert proposed_gamma(summary | {"pays": table}) == 1
+    same = summarise(head, sweep("suffix", {4: [1.2, 1.4, 1.9]}), predicted_gamma=1)
+    assert "predicted" not in same["verdict"].split("; ")[-1]  # nothing to add when the forecast was right
 
 
 def test_ctrl_c_on_the_command_line_stops_the_forge_and_keeps_the_head(forged, tmp_path):
@@ -462,3 +481,59 @@ def test_ctrl_c_on_the_command_line_stops_the_forge_and_keeps_the_head(forged, t
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     assert "forged" in printed
     assert "made in bfloat16" in (out / "README.md").read_text()  # the data passes ran on a 16-bit copy
+
+
+def test_the_greedy_loop_replayed_over_teacher_forced_hits_counts_tokens_per_verify_pass():
+    """A pass from anchor t keeps the leading hits of its chain and adds the target's token; the next starts after."""
+    from engine.forge.train import served_lengths
+
+    step0 = [[1, 1, 0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]]
+    step1 = [[1, 0, 0, 1, 0, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]]
+    hits = [torch.tensor(step0, dtype=torch.bool), torch.tensor(step1, dtype=torch.bool)]
+    # sequence 0 from row 0 to 7: gamma 1 passes at 0, 2, 3, 5, 7; gamma 2 at 0, 3, 6, 7
+    # sequence 1 (every draft right) from row 1 to 5: gamma 1 at 1, 3, 5; gamma 2 at 1, 4
+    assert served_lengths(hits, [(0, 7), (1, 5)], range(1, 3)) == {1: (8 + 6, 5 + 3), 2: (8 + 6, 4 + 2)}
+    # a mean over rows would say 0.625 at the first position for sequence 0; the loop sees 3 of 5 passes accept
+    assert served_lengths(hits[:1], [(0, 7)], range(1, 2)) == {1: (8, 5)}
+
+
+def test_the_replayed_loop_keeps_at_every_verify_pass_what_the_engine_keeps(forged):
+    """The forge's "tokens per verify pass as served" stands for the engine: the forged head, run by the engine
+    (greedy, float32), keeps at each verify pass as many drafts as the replay over its teacher-forced hits says."""
+    from engine.decoding.runtime import encode_prompt
+    from engine.decoding.speculative import speculative_decode
+    from engine.forge import data as D
+    from engine.forge import train as T
+    from engine.measure import promptsets
+    from engine.models.heads import drafter_for, eagle3_layers, load_head
+    from engine.models.loading import MODELS
+    from tests.test_engine import GREEDY
+
+    cfg = forged[0]
+    loaded = MODELS.get(cfg.target, "float32", "cpu")
+    model, tok = loaded.model, loaded.tokenizer
+    head = load_head(cfg.out, model)
+    vocab = model.config.vocab_size
+    t2d = T.to_draft_ids(vocab, head.d2t)
+    layers, eos = eagle3_layers(model.config.num_hidden_layers), D.eos_of(model, tok)
+    kept_somewhere = 0
+    for item in promptsets.read_file(Path(cfg.out) / "held-out.jsonl").items[:4]:
+        ids = encode_prompt(tok, item.prompt, loaded.has_chat_template)
+        for gamma in (1, 2):
+            drafter = drafter_for(head, vocab, gamma)
+            drafter.start = gamma
+            with torch.inference_mode():
+                run = speculative_decode(model, tok, ids, drafter, GREEDY, 24, eos)
+                steps = [s for s in run if s.kind != "stopped"]
+                tokens = ids + [t for s in steps for t in s.tokens]
+                out = model(input_ids=torch.tensor([tokens]), output_hidden_states=True)
+                features = torch.cat([out.hidden_states[i][0] for i in layers], -1)[:-1]
+                top_p, top_ids = torch.softmax(out.logits[0, :-1].float(), -1).topk(D.TOP_K, -1)
+                seq = D.Sequence(tokens, len(ids), features, top_ids.int(), top_p.half())
+                _, stats = T.batch_loss(head, T.collate([seq], gamma, t2d, torch.float32), gamma)
+            rows = [s["hit_mask"].tolist() for s in stats]
+            engine = [s.accepted for s in steps[1:]]
+            replayed = T.replay(rows, 0, len(ids) - 1, len(tokens) - 3, gamma)
+            assert engine[:-1] == replayed[: len(engine) - 1], (item.id, gamma)  # the last pass meets the length cap
+            kept_somewhere += sum(engine)
+    assert kept_somewhere > 0  # a head that never hits would agree with anything

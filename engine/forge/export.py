@@ -4,8 +4,9 @@ Flags (HEADS.md, export checklist): one Llama-style layer with full attention, f
 `norm_before_residual` written out, no norm_before_fc / fc_norm / norm_output (llama.cpp implements none of them),
 `lm_head` and int64 `d2t` / bool `t2d` in the file (engine.models.heads.write_head).
 
-The recommended gamma comes from the validation acceptance per position and this machine's costs: the head's own
-step (timed here, relative to a one-token target pass) and the target's verify passes (engine.measure.predict).
+The gamma proposed at export comes from the validation acceptance per position and this machine's costs: the head's
+own step (timed here, relative to a one-token target pass) and the target's verify passes (engine.measure.predict).
+The final measurement (engine.forge.pays) then proposes the gamma measured fastest instead (proposed_gamma).
 """
 
 from __future__ import annotations
@@ -42,27 +43,33 @@ def head_step_cost(head: Head, model, rows: int = 64, repeats: int = 20) -> floa
     return best / target
 
 
-def recommend(acceptance: list[float], c: float, verify: list[float]) -> dict:
-    """The gamma with the best predicted speedup, from per-position acceptance (beyond the trained steps, the last
-    one's), the head's cost c and verify costs V(k) (list: k = 0..)."""
-    from engine.measure.predict import predict
+def recommend(acceptance: list[float], c: float, verify: list[float], per_pass: list[float] | None = None) -> dict:
+    """The gamma with the best predicted speedup, from the tokens per verify pass the greedy loop replayed over the
+    validation answers gives at each trained gamma (`per_pass`, engine.forge.train.served_lengths): L(g) over
+    g * c + V(g), with the head's cost c and verify costs V(k) (list: k = 0..). Without it, from the per-position
+    acceptance (beyond the trained steps, the last one's), which reads high: it weights every row alike."""
+    from engine.measure.predict import interpolate, predict
 
     points = {k: v for k, v in enumerate(verify) if k > 0}
-    alpha = acceptance[-1] if acceptance else 0.0
-    curve = [{"gamma": g, "predicted": predict(acceptance, alpha, c, points, g)}
-             for g in range(1, max(len(acceptance), 1) + 1)]  # fmt: skip
+    if per_pass:
+        curve = [{"gamma": g, "predicted": length / (g * c + interpolate(points, g)), "per_pass": length}
+                 for g, length in enumerate(per_pass, 1)]  # fmt: skip
+    else:
+        alpha = acceptance[-1] if acceptance else 0.0
+        curve = [{"gamma": g, "predicted": predict(acceptance, alpha, c, points, g)}
+                 for g in range(1, max(len(acceptance), 1) + 1)]  # fmt: skip
     best = max(curve, key=lambda p: p["predicted"])
     return {"gamma": best["gamma"], "predicted_speedup": best["predicted"], "curve": curve, "c": c}
 
 
-def held_out(head: Head, loaded, acceptance: list[float]) -> dict:
+def held_out(head: Head, loaded, acceptance: list[float], per_pass: list[float] | None = None) -> dict:
     """The figures the card and the config need: the head's cost, the target's verify costs, the recommended gamma."""
     from engine.decoding.runtime import measure_verify_costs
 
     with torch.inference_mode():
-        verify = measure_verify_costs(loaded.model, max(len(acceptance), 1))
+        verify = measure_verify_costs(loaded.model, max(len(acceptance), len(per_pass or []), 1))
     c = head_step_cost(head, loaded.model)
-    return {"recommended": recommend(acceptance, c, verify), "verify_costs": verify}
+    return {"recommended": recommend(acceptance, c, verify, per_pass), "verify_costs": verify}
 
 
 def write(head: Head, folder: Path, loaded, summary: dict) -> Path:
@@ -75,6 +82,13 @@ def write(head: Head, folder: Path, loaded, summary: dict) -> Path:
     write_head(head, folder, layout="speculators-eagle3", verifier=verifier, verifier_arch=arch,
                speculative_tokens=summary["held_out"]["recommended"]["gamma"], card=card(summary))  # fmt: skip
     return folder
+
+
+def proposed_gamma(summary: dict) -> int | None:
+    """The draft length a forged head proposes: the one measured fastest on the held-out prompts once measured
+    (engine.forge.pays.summarise), before that the one its validation acceptance predicts best."""
+    measured = (summary.get("pays") or {}).get("recommended") or {}
+    return measured.get("gamma") or ((summary.get("held_out") or {}).get("recommended") or {}).get("gamma")
 
 
 def set_gamma(folder: Path, gamma: int) -> None:
@@ -127,10 +141,19 @@ def card(s: dict) -> str:
         f"- validation answers (prompts never trained on), greedy acceptance per draft position: {acc}; expected "
         f"accepted length per verify pass {t['val_expected_length']:.2f}",
     ]  # fmt: skip
-    if rec:
-        lines.append(f"- recommended gamma {rec['gamma']} on this machine: predicted {rec['predicted_speedup']:.2f}x "
-                     f"(head step {rec['c']:.3f} of a target pass)")  # fmt: skip
+    if t.get("val_per_pass"):
+        lines.append("- the same answers replayed through the greedy loop, tokens per verify pass at gamma "
+                     + ", ".join(f"{g}: {x:.2f}" for g, x in enumerate(t["val_per_pass"], 1))
+                     + " (what the engine will count; the figure above weights every position alike)")  # fmt: skip
     pays = s.get("pays")
+    gamma = proposed_gamma(s)
+    if pays:
+        lines.append(f"- proposed gamma {gamma}: measured fastest on the held-out prompts (below); the validation "
+                     f"acceptance predicted gamma {rec.get('gamma')} best on this machine"
+                     f" ({rec.get('predicted_speedup', 0):.2f}x, head step {rec.get('c', 0):.3f} of a target pass)")
+    elif rec:
+        lines.append(f"- proposed gamma {rec['gamma']} on this machine: predicted {rec['predicted_speedup']:.2f}x "
+                     f"(head step {rec['c']:.3f} of a target pass)")  # fmt: skip
     if pays:
         lines += ["", "## Does it pay (held-out prompts, greedy, measured)", "",
                   _row(["drafter", "gamma", "speedup (median)", "predicted", "accepted length", "identical"]),
@@ -142,7 +165,7 @@ def card(s: dict) -> str:
     lines += ["", "## Use", "", f"- SpecArena: `python -m engine run --target {s['target']} --drafter eagle3 "
               "--draft THIS_FOLDER --prompt ...`", "- vLLM: `vllm serve TARGET --speculative-config "
               f"'{{\"method\":\"eagle3\",\"model\":\"THIS_FOLDER\",\"num_speculative_tokens\":"
-              f"{rec.get('gamma', 3)}}}'`",
+              f"{gamma or 3}}}'`",
               "- llama.cpp: `python convert_hf_to_gguf.py THIS_FOLDER --target-model-dir TARGET_DIR --outfile "
               "head.gguf`, then `llama-server -m target.gguf -md head.gguf --spec-type draft-eagle3`", ""]  # fmt: skip
     return "\n".join(lines)

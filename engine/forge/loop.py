@@ -116,9 +116,14 @@ class Trainer:
         """Loss and greedy chain acceptance per draft position on the validation answers."""
         self.head.eval()
         totals, losses, n = None, 0.0, 0
+        gammas = range(1, self.cfg.steps + 1)
+        served = {g: (0, 0) for g in gammas}
         with torch.no_grad():
             for group in _batches(self.dataset.val, self.cfg.batch_rows, None):
                 loss, stats = self._forward(self._collate(group))
+                spans = [(s.prompt_len - 1, len(s.tokens) - 3) for s in group]
+                replayed = T.served_lengths([s["hit_mask"] for s in stats], spans, gammas)
+                served = {g: (served[g][0] + replayed[g][0], served[g][1] + replayed[g][1]) for g in gammas}
                 rows = stats[0]["rows"]
                 losses += float(loss) * rows
                 n += rows
@@ -131,8 +136,9 @@ class Trainer:
                 totals = counts if totals is None else [(a + c, b + d) for (a, b), (c, d) in zip(totals, counts)]
         self.head.train()
         acceptance = [k / r if r else 0.0 for r, k in (totals or [])]
+        per_pass = [tokens / passes if passes else 1.0 for tokens, passes in served.values()]
         return {"loss": losses / max(n, 1), "acceptance": acceptance, "expected_length": T.expected_length(acceptance),
-                "rows": n}  # fmt: skip
+                "per_pass": per_pass, "rows": n}  # fmt: skip
 
     def _lr(self, frac: float, warm: float = 0.05) -> float:
         if frac < warm:
@@ -188,17 +194,20 @@ class Trainer:
         improved = self.best is None or score > self.best["score"]
         if improved:
             self.best = {"score": score, "state": self._trainable(), "acceptance": val["acceptance"],
-                         "loss": val["loss"], "expected_length": val["expected_length"], "step": self.step}  # fmt: skip
+                         "loss": val["loss"], "expected_length": val["expected_length"], "per_pass": val["per_pass"],
+                         "step": self.step}  # fmt: skip
         trained = self.seconds_done + (0.0 if final else elapsed)  # the final call comes after run() added it
         record = {"step": self.step, "seconds": round(trained, 1), "rows": self.rows_done,
                   "train_loss": train_loss, "train_top1": train_acc, "val_loss": val["loss"],
-                  "val_acceptance": val["acceptance"], "val_expected_length": val["expected_length"]}  # fmt: skip
+                  "val_acceptance": val["acceptance"], "val_expected_length": val["expected_length"],
+                  "val_per_pass": val["per_pass"]}  # fmt: skip
         self.history.append(record)
         self.save()
         per = " ".join(f"{a:.2f}" for a in val["acceptance"])
         tl = f"{train_loss:.3f}" if train_loss is not None else "-"
         message = (f"step {self.step}: train loss {tl}, validation loss {val['loss']:.3f}, acceptance per position "
-                   f"{per}, expected accepted length {val['expected_length']:.2f}")  # fmt: skip
+                   f"{per}, expected accepted length {val['expected_length']:.2f}; per verify pass as served at "
+                   f"gamma 1..{len(val['per_pass'])}: " + " / ".join(f"{x:.2f}" for x in val["per_pass"]))  # fmt: skip
         message += " (best)" if improved else ""
         return {"message": message, "done": 1.0 if final else min(1.0, elapsed / seconds)} | record
 
@@ -218,5 +227,6 @@ class Trainer:
         return {"steps": self.step, "rows": self.rows_done, "seconds": round(self.seconds_done, 1),
                 "eval_seconds": round(getattr(self, "eval_s", 0.0), 1), "ttt_steps": self.cfg.steps,
                 "best_step": best.get("step"), "val_acceptance": best.get("acceptance", []),
-                "val_expected_length": best.get("expected_length"), "val_loss": best.get("loss"),
+                "val_expected_length": best.get("expected_length"), "val_per_pass": best.get("per_pass", []),
+                "val_loss": best.get("loss"),
                 "history": self.history, "resumed": bool(getattr(self, "resumed", False))}  # fmt: skip

@@ -418,7 +418,8 @@ class Forge:
 
         self.budget.phase("export")
         self.head = self.trainer.best_head()
-        figures = held_out(self.head, self.loaded, self.trainer.report()["val_acceptance"])
+        report = self.trainer.report()
+        figures = held_out(self.head, self.loaded, report["val_acceptance"], report["val_per_pass"])
         self.budget.phase("export")  # the time so far counted, before the summary reads it
         self.summary = self._summary() | {"held_out": figures}
         write(self.head, self.out, self.loaded, self.summary)
@@ -468,9 +469,7 @@ class Forge:
         self.summary["pays"] = result
         from engine.forge.export import set_gamma, write_card
 
-        fit = result.get("head_fit") or {}
-        if fit.get("best_gamma") and (fit.get("best_speedup") or 0) > 1.0:  # measured beats predicted
-            set_gamma(self.out, fit["best_gamma"])
+        set_gamma(self.out, result["recommended"]["gamma"])  # measured beats predicted
         write_card(self.out, self.summary)
         yield self.event("pays", result["verdict"], 1.0, **{"pays": result})
 

@@ -259,3 +259,35 @@ def expected_length(alphas: list[float]) -> float:
         survive *= a
         total += survive
     return total
+
+
+def served_lengths(hits: list[torch.Tensor], spans: list[tuple[int, int]], gammas: range) -> dict[int, tuple[int, int]]:
+    """The greedy loop replayed over teacher-forced hits: {gamma: (tokens, verify passes)}.
+
+    hits[k][i, t]: TTT step k at anchor row t of sequence i drafted the target's own token (step_loss's hit_mask: a
+    token outside the draft vocabulary is a miss, as served). spans[i]: the first anchor the loop drafts from (row
+    P - 1, after the prefill gave the first answer token) and the last row with a label. A pass from anchor t accepts
+    the leading hits of steps 0..gamma-1 and adds the target's own token, so the next pass starts a + 1 rows on.
+    For greedy decoding this is what the engine does (its drafts equal the head's teacher-forced argmax), and unlike
+    the mean over every row it weights the rows as the loop visits them: a pass starts where the last one missed,
+    and misses cluster. A head forged for the bundled model, on the whole task suite: 1.42 / 1.59 tokens per pass at
+    gamma 1 / 2 from the mean over rows, 1.36 / 1.49 replayed, 1.34 / 1.49 measured by the engine."""
+    rows = [h.tolist() for h in hits]
+    out = {}
+    for gamma in gammas:
+        kept = [replay(rows, i, first, last, gamma) for i, (first, last) in enumerate(spans)]
+        out[gamma] = (sum(a + 1 for k in kept for a in k), sum(len(k) for k in kept))
+    return out
+
+
+def replay(rows: list[list[list[bool]]], i: int, first: int, last: int, gamma: int) -> list[int]:
+    """The draft tokens each verify pass keeps, sequence i, anchors first..last (see served_lengths)."""
+    t, kept = first, []
+    while t <= last:
+        a = 0
+        while a < min(gamma, len(rows)) and rows[a][i][t]:
+            a += 1
+        kept.append(a)
+        t += a + 1
+    return kept
+
