@@ -1,5 +1,5 @@
 """The Lab's Forge panel: `python -m engine forge` on the page. Train an EAGLE-3 head for a target on this machine
-within a time budget, watch its held-out acceptance per draft position grow, stop it (the best checkpoint is
+within a time budget, watch its validation acceptance per draft position grow, stop it (the best checkpoint is
 written), see whether it pays against prompt lookup, suffix and the target alone, and hand it to the Playground.
 
 All the work is engine.forge (forge_events on the engine thread); this module checks the fields, lays out, wires and
@@ -102,7 +102,7 @@ def build_layout() -> SimpleNamespace:
         f.form_error = gr.HTML("", elem_id="lab-forge-form-error", padding=False)
         f.status = gr.HTML(render.status_line(""), elem_id="lab-forge-status", padding=False)
         with gr.Row():
-            f.chart = gr.Plot(label="held-out acceptance per draft position over training", elem_id="lab-forge-chart")
+            f.chart = gr.Plot(label="validation acceptance per draft position over training", elem_id="lab-forge-chart")
             f.progress = gr.Dataframe(headers=progress_headers(0), label="training", interactive=False)
         f.verdict = gr.Markdown(elem_id="lab-forge-verdict")
         f.pays_table = gr.Dataframe(headers=PAYS_COLUMNS, label="does it pay (held-out prompts)", interactive=False)
@@ -275,14 +275,14 @@ def progress_table(records: list[dict]) -> dict:
 
 
 def progress_figure(records: list[dict]) -> go.Figure:
-    """Held-out (validation) acceptance at each draft position over training steps."""
+    """Validation acceptance at each draft position over training steps."""
     fig = go.Figure()
     steps = max((len(r.get("val_acceptance") or []) for r in records), default=0)
     for k in range(steps):
         points = [(r["step"], r["val_acceptance"][k]) for r in records if len(r.get("val_acceptance") or []) > k]
         fig.add_trace(go.Scatter(x=[p[0] for p in points], y=[p[1] for p in points], mode="lines+markers",
                                  name=f"position {k + 1}", line=dict(color=COLORS[k % len(COLORS)])))  # fmt: skip
-    fig.update_layout(xaxis_title="training step", yaxis_title="held-out acceptance", height=340,
+    fig.update_layout(xaxis_title="training step", yaxis_title="validation acceptance", height=340,
                       yaxis=dict(range=[0, 1.02]), margin=dict(l=50, r=20, t=30, b=40),
                       legend=dict(orientation="h", y=-0.3))  # fmt: skip
     return fig
@@ -310,7 +310,8 @@ def verdict_markdown(summary: dict, folder: str, stopped: bool) -> str:
     timing = ", ".join(f"{k} {v:.0f} s" for k, v in (summary.get("timing") or {}).items())
     lines = [f"**Forged** `{folder}` in {summary.get('wall_s', 0):.0f} s ({timing})"
              + (", stopped early: the best checkpoint so far" if stopped else "") + ".",
-             f"Held-out acceptance per draft position: {per or '-'}; expected accepted length "
+             f"Validation acceptance per draft position (prompts never trained on; the table below measures the "
+             f"held-out ones): {per or '-'}; expected accepted length "
              f"{training.get('val_expected_length') or 0:.2f} (best at step {training.get('best_step')})."]  # fmt: skip
     served = training.get("val_per_pass") or []
     if served:

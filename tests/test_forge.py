@@ -124,7 +124,7 @@ def test_a_forged_head_loads_and_runs_lossless(forged):
     written = promptsets.read_file(Path(cfg.out) / "held-out.jsonl")
     assert [i.id for i in written.items] == summary["prompts"]["held_out_ids"] == summary["pays"]["prompts"]
     card = (Path(cfg.out) / "README.md").read_text()
-    assert "Held-out acceptance" in card and summary["machine"] in card
+    assert "Validation acceptance" in card and summary["machine"] in card
     # one draft length proposed everywhere: the head's row measured fastest, in the config, the card and the Lab
     from app.forge_panel import head_of
 

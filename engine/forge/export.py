@@ -137,7 +137,7 @@ def card(s: dict) -> str:
         f"best state at step {t['best_step']}" + (" (resumed)" if t.get("resumed") else ""),
         f"- time: {s['wall_s']:.0f} s in all: " + ", ".join(f"{k} {v:.0f} s" for k, v in s["timing"].items()),
         f"- machine: {s['machine']}; {s['machine_choice']}",
-        "", "## Held-out acceptance", "",
+        "", "## Validation acceptance", "",
         f"- validation answers (prompts never trained on), greedy acceptance per draft position: {acc}; expected "
         f"accepted length per verify pass {t['val_expected_length']:.2f}",
     ]  # fmt: skip
