@@ -48,11 +48,11 @@ def recommend(acceptance: list[float], c: float, verify: list[float], per_pass: 
     validation answers gives at each trained gamma (`per_pass`, engine.forge.train.served_lengths): L(g) over
     g * c + V(g), with the head's cost c and verify costs V(k) (list: k = 0..). Without it, from the per-position
     acceptance (beyond the trained steps, the last one's), which reads high: it weights every row alike."""
-    from engine.measure.predict import interpolate, predict
+    from engine.measure.predict import predict, step_cost
 
     points = {k: v for k, v in enumerate(verify) if k > 0}
     if per_pass:
-        curve = [{"gamma": g, "predicted": length / (g * c + interpolate(points, g)), "per_pass": length}
+        curve = [{"gamma": g, "predicted": length / step_cost(c, points, g), "per_pass": length}
                  for g, length in enumerate(per_pass, 1)]  # fmt: skip
     else:
         alpha = acceptance[-1] if acceptance else 0.0

@@ -46,8 +46,13 @@ def interpolate(points: dict[int, float], gamma: int) -> float:
     return pts[xs[-1]] + slope * (gamma - xs[-1])
 
 
+def step_cost(c: float, verify: dict[int, float], gamma: int) -> float:
+    """What a step drafting gamma tokens costs, in one-token target passes: gamma drafts at c each, then V(gamma)."""
+    return gamma * c + interpolate(verify, gamma)
+
+
 def predict(alphas: list[float], alpha: float, c: float, verify: dict[int, float], gamma: int) -> float:
-    return expected_tokens(alphas, alpha, gamma) / (gamma * c + interpolate(verify, gamma))
+    return expected_tokens(alphas, alpha, gamma) / step_cost(c, verify, gamma)
 
 
 def fit(cells: list) -> dict:
@@ -129,7 +134,7 @@ def verdict(alpha, c, verify, best_gamma, measured, best_predicted, c_known: boo
         why = f"c = {c:.2f} is not below alpha = {alpha:.2f}: drafting a token costs more than it is worth"
     else:  # compare what a drafting step brings with what it costs, at the gamma that did best
         g = best_gamma if best_gamma is not None else min(verify, default=1)
-        brings, costs = expected_tokens([], alpha, g), g * c + interpolate(verify, g)
+        brings, costs = expected_tokens([], alpha, g), step_cost(c, verify, g)
         if brings <= costs:
             why = (f"at gamma {g} a step brings {brings:.2f} tokens (alpha = {alpha:.2f}) and costs {costs:.2f} "
                    f"one-token steps (drafting c = {c:.2f} a token, then verifying)")  # fmt: skip
