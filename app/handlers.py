@@ -433,7 +433,10 @@ def check_pair(**form):
         s = settings_from(**form)
         draft = s.draft if s.uses_draft else None
         if s.backend == "llama.cpp":
-            return render.text_marks(markdown(diagnose_gguf(s.target, draft)))
+            from engine.backends.llamacpp import model_gguf
+
+            found = diagnose_gguf(s.target, draft, lambda spec: model_gguf(spec, s.dtype))
+            return render.text_marks(markdown(found))
         return render.text_marks(markdown(diagnose(s.target, draft, s.dtype, tokens=s.max_new_tokens + 1024,
                                                    head=s.uses_head)))  # fmt: skip
     except UserError as exc:

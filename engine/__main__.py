@@ -446,7 +446,12 @@ def cmd_doctor(args) -> int:
     from engine.models.doctor import diagnose, diagnose_gguf, markdown
 
     if args.backend == "llama.cpp":
-        report = diagnose_gguf(args.target, args.draft)
+        from engine.backends.llamacpp import model_gguf
+
+        def say(message: str) -> None:  # on stderr: --json keeps stdout to one object
+            print(message, file=sys.stderr)
+
+        report = diagnose_gguf(args.target, args.draft, lambda spec: model_gguf(spec, args.dtype, say))
     else:
         report = diagnose(args.target, args.draft, args.dtype, args.device, args.tokens, head=args.drafter in HEADS)
     print(json.dumps(report) if args.json else markdown(report).replace("**", ""))

@@ -4,9 +4,10 @@ llama-server (converted by llama.cpp's own converter, `--spec-type draft-eagle3 
 model, greedy: each backend's speculative ids equal its baseline's and every other backend's, and acceptance per
 draft position is printed side by side.
 
-llama.cpp runs the bundled model as an f32 GGUF converted from the very folder the other two load (the shipped Q4_1
-file computes other logits, so its greedy text parts from theirs after a few tokens). Servers start once per
-configuration and are reused: three vLLM and three llama-server starts in all.
+With dtype float32, llama.cpp runs the bundled model as an f32 GGUF that its own converter made from the very folder
+the other two load (under dtype auto it runs the shipped Q4_1 file, which computes other logits, so its greedy text
+parts from theirs after a few tokens). Servers start once per configuration and are reused: three vLLM and three
+llama-server starts in all.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from engine.backends import llamacpp
-from engine.backends.heads import head_gguf, to_gguf
+from engine.backends.heads import head_gguf
 from engine.backends.servers import POOL
 from engine.compare import compare
 from engine.decoding.metrics import position_counts
@@ -74,16 +75,12 @@ def heads(tmp_path_factory):
     write_head(eagle3, out / "eagle3", "speculators-eagle3", verifier=str(folder), speculative_tokens=GAMMA)
     dflash = random_head(target, "dflash", layers=1, block_size=GAMMA + 1)
     write_head(dflash, out / "dflash", "speculators-dflash", verifier=str(folder), speculative_tokens=GAMMA)
-    f32 = cache_dir() / f"smollm2-135m-instruct-f32-b{llamacpp.BUILD}.gguf"
-    if not f32.is_file():
-        to_gguf(folder, f32.with_suffix(".part"), "f32").rename(f32)
-    yield {"eagle3": str(out / "eagle3"), "dflash": str(out / "dflash"), "gguf": str(f32)}
+    yield {"eagle3": str(out / "eagle3"), "dflash": str(out / "dflash")}
     POOL.stop_all()
 
 
 def settings(backend: str, drafter: str, heads: dict) -> Settings:
-    target = heads["gguf"] if backend == "llama.cpp" else "bundled"
-    return Settings(backend=backend, target=target, drafter=drafter, draft=heads[drafter], gamma=GAMMA,
+    return Settings(backend=backend, target="bundled", drafter=drafter, draft=heads[drafter], gamma=GAMMA,
                     max_new_tokens=40, dtype="float32", chat=False, seed=0)  # fmt: skip
 
 
@@ -119,6 +116,23 @@ def test_an_eagle3_head_gives_the_same_ids_on_all_three_backends(heads):
     assert all(d in ((0, 0), (1, 0), (1, 1)) for d in extra), counts
     assert found["vllm"].environment["speculative_config"]["method"] == "eagle3"
     assert "draft-eagle3" in found["llama.cpp"].environment["spec_flags"]
+
+
+def test_llama_cpp_runs_the_weights_the_other_backends_load_when_a_dtype_is_named(heads):
+    """Under dtype float32 the bundled target is llama.cpp's conversion of the folder transformers and vLLM load, made
+    once and cached; under auto it is the GGUF as it ships."""
+    import gguf
+
+    from engine.models.loading import bundled_gguf
+
+    assert llamacpp.model_gguf("bundled", "auto") == bundled_gguf()
+    f32 = llamacpp.model_gguf("bundled", "float32")
+    assert f32.parent == cache_dir() / "models-gguf" and f32.name.endswith("-f32.gguf")
+    assert llamacpp.model_gguf("bundled", "float32", convert=False) == f32  # what serves() compares, no conversion
+    types = {t.tensor_type.name for t in gguf.GGUFReader(str(f32)).tensors if t.name.endswith(".weight")}
+    assert types == {"F32"}, types
+    environment = compare(settings("llama.cpp", "eagle3", heads), PROMPT).environment
+    assert environment["model"] == str(f32) and environment["dtype"] == "f32, converted by llama.cpp's converter"
 
 
 def test_a_dflash_head_gives_the_same_ids_on_all_three_backends(heads):

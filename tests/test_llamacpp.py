@@ -301,3 +301,11 @@ def test_a_crash_on_a_cpu_without_amx_is_not_blamed_on_amx(crashing_binary, monk
     monkeypatch.setenv("SPECARENA_LLAMA_SERVER", str(crashing_binary))
     with pytest.raises(UserError, match=r"killed by signal 11 \(SIGSEGV\) while starting; it said: .*threadpool init"):
         open_backend(settings())
+
+
+def test_a_path_that_is_neither_a_gguf_nor_a_model_folder_is_refused_in_one_sentence(tmp_path):
+    """A folder is converted only when it holds a model (its config.json); anything else is named and refused."""
+    with pytest.raises(UserError, match="neither a .gguf file nor a model folder with a config.json"):
+        llamacpp.model_gguf(str(tmp_path), "float32")
+    with pytest.raises(UserError, match="local .gguf file or model folder"):
+        llamacpp.model_gguf("some-org/some-model", "auto")

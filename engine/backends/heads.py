@@ -99,8 +99,8 @@ def converter_target(s: Settings, progress=lambda message: None) -> Path:
     return Path(target_folder(verifier, progress))
 
 
-def _digest(folders: list[Path], *extra: str) -> str:
-    """sha256 of the files that make a head's GGUF (names and bytes), remembered per file size and mtime."""
+def files_digest(folders: list[Path], *extra: str) -> str:
+    """sha256 of the files that make a GGUF (names and bytes), remembered per file size and mtime."""
     files = sorted(f for folder in folders for f in folder.iterdir()
                    if f.is_file() and f.name != "README.md" and not f.name.startswith("."))  # fmt: skip
     key = (tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files), extra)
@@ -157,7 +157,7 @@ def head_gguf(s: Settings, progress=lambda message: None) -> Path:
     outtype = OUTTYPES[s.dtype]
     names = ("config.json", "tokenizer.json", "tokenizer_config.json")
     target_files = [target / n for n in names if (target / n).is_file()]
-    digest = _digest([folder], f"b{BUILD} r{RECIPE} {outtype}", json.dumps(config, sort_keys=True),
+    digest = files_digest([folder], f"b{BUILD} r{RECIPE} {outtype}", json.dumps(config, sort_keys=True),
                      *(f.read_text() for f in target_files))  # fmt: skip
     out = cache_dir() / "heads-gguf" / f"{c.kind}-{digest[:24]}-{outtype}.gguf"
     if out.is_file():
@@ -172,7 +172,7 @@ def head_gguf(s: Settings, progress=lambda message: None) -> Path:
 
 
 def to_gguf(folder: Path, out: Path, outtype: str, target: Path | None = None, progress=lambda message: None,
-            what: str = "") -> Path:  # fmt: skip
+            what: str = "", field: str = "draft") -> Path:  # fmt: skip
     """`folder` (a transformers model, or a head with its target's folder as `target`) written to `out` by llama.cpp's
     convert_hf_to_gguf.py, as `outtype` (f32, bf16, f16, q8_0)."""
     from engine.backends.llamacpp_source import converter
@@ -186,7 +186,7 @@ def to_gguf(folder: Path, out: Path, outtype: str, target: Path | None = None, p
     if done.returncode or not out.is_file():
         log = done.stdout + done.stderr
         raise UserError(f"llama.cpp's converter could not convert {what or folder}: {last_error(log)}",
-                        field="draft", detail="\n".join(log.splitlines()[-20:]))  # fmt: skip
+                        field=field, detail="\n".join(log.splitlines()[-20:]))  # fmt: skip
     return out
 
 

@@ -33,14 +33,14 @@ import urllib.request
 from pathlib import Path
 from typing import Generator, Iterator
 
-from engine.backends.heads import head_gguf
+from engine.backends.heads import OUTTYPES, files_digest, head_gguf, to_gguf
 from engine.backends.llamacpp_source import BUILD, SDIST, save_converter, unpack_sources
 from engine.backends.servers import POOL, Server, failure, free_port, http_json, remote_urls, sse
 from engine.decoding.metrics import StepEvent
 from engine.errors import UserError, blame
 from engine.events import Status
 from engine.models.loading import gguf_path
-from engine.settings import Settings
+from engine.settings import Settings, cache_dir
 from engine.worker import in_thread
 
 # How it is compiled; a binary cached by another recipe is built again. 2: without the AMX kernels, which
@@ -51,6 +51,7 @@ RECIPE = 2
 # 20824). Explicit -mno-* flags win over -march=native in GCC and clang, so the build keeps every other
 # native instruction and only loses AMX; on a CPU without AMX the flags change nothing.
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+STORED = "as the GGUF stores it"
 UNKNOWN = -1  # the id of a draft token llama-server rejected: it reports how many, not which
 START_TIMEOUT = float(os.environ.get("SPECARENA_LLAMA_START_TIMEOUT", "180"))
 # drafters -> llama.cpp's --spec-type; ngram-mod and ngram-map-k exist only there
@@ -223,6 +224,32 @@ def check_vocab(target: Path, draft: Path) -> None:
 # --- the backend ----------------------------------------------------------------------------------------
 
 
+def model_gguf(spec: str, dtype: str, progress=lambda message: None, convert: bool = True) -> Path:
+    """The GGUF file llama-server runs for a model spec. A .gguf runs as it is (the bundled model as it ships, under
+    dtype auto: its Q4_1). A transformers folder, or the bundled model under an explicit dtype, is converted once by
+    llama.cpp's own converter to that dtype (auto: f32) and cached by its content, so that llama.cpp computes with the
+    very weights the other backends load: on the bundled model in float32 a head's acceptance per draft position then
+    matches ours count for count, where the Q4_1 file answers differently after a few tokens. With convert=False, the
+    path it would have (for "is this what the servers run?")."""
+    from engine.models.loading import BUNDLED, bundled_folder
+
+    spec = (spec or "").strip()
+    if spec in (BUNDLED, "bundled") and dtype != "auto":
+        folder = bundled_folder(progress)
+    else:
+        folder = Path(spec).expanduser()
+        if not (folder.is_dir() and (folder / "config.json").is_file()):
+            return gguf_path(spec, progress)
+    outtype = OUTTYPES[dtype]
+    digest = files_digest([folder], f"b{BUILD} {outtype}")
+    out = cache_dir() / "models-gguf" / f"{folder.name}-{digest[:16]}-{outtype}.gguf"
+    if convert and not out.is_file():
+        progress(f"converting {folder.name} to GGUF ({outtype}) with llama.cpp's converter, once")
+        to_gguf(folder, out.with_suffix(".part"), outtype, progress=progress, what=str(folder), field="target")
+        out.with_suffix(".part").rename(out)
+    return out
+
+
 def threads() -> int:
     return len(os.sched_getaffinity(0))
 
@@ -276,6 +303,7 @@ class LlamaCpp:
         self.chat_template = False
         self.loaded: list[str] = []
         self.serving: tuple | None = None
+        self.weights = STORED  # or the dtype a model's folder was converted to
         self.config: dict = {}
         self.end_tokens: set[int] = set()  # ids that ended a run (EOS, end of turn): not text
         self.timings: dict[str, dict] = {}  # each server's own record of its last run (its final chunk's timings)
@@ -304,7 +332,7 @@ class LlamaCpp:
             raise UserError(f"the two llama-servers serve different models ({models['baseline']} and "
                             f"{models['speculative']}): a comparison needs the same model on both.")  # fmt: skip
         self.urls = {"baseline": base, "speculative": spec}
-        self.model = models["baseline"]
+        self.model, self.weights = models["baseline"], STORED
         self.config = {"remote": True, "spec_flags": "as the server was started (not readable here)"}
 
     def _start(self, s: Settings) -> Generator[Status, None, None]:
@@ -313,7 +341,7 @@ class LlamaCpp:
             raise UserError("llama.cpp is not set up for this app. " + INSTALL, field="backend")
         number, line = check_binary(path)
         with blame("target"):
-            model = yield from in_thread(lambda say: gguf_path(s.target, say))
+            model = yield from in_thread(lambda say: model_gguf(s.target, s.dtype, say))
         draft = None
         if s.uses_head:
             with blame("draft"):
@@ -321,7 +349,7 @@ class LlamaCpp:
                 check_vocab(model, draft)  # the head's GGUF has the tokenizer of the folder it was converted with
         elif s.drafter == "draft-model":
             with blame("draft"):
-                draft = yield from in_thread(lambda say: gguf_path(s.draft, say))
+                draft = yield from in_thread(lambda say: model_gguf(s.draft, s.dtype, say))
                 check_vocab(model, draft)
         flags = {"baseline": ["--spec-type", "none"], "speculative": spec_flags(s, draft)}
         keys = {role: (str(path), str(model), tuple(args)) for role, args in flags.items()}
@@ -341,6 +369,8 @@ class LlamaCpp:
             self.urls[role] = servers[keys[role]].url
             self.commands[role] = servers[keys[role]].command
         self.model, self.build = str(model), f"b{number}" if number else line
+        converted = model.parent == cache_dir() / "models-gguf"
+        self.weights = f"{OUTTYPES[s.dtype]}, converted by llama.cpp's converter" if converted else STORED
         self.config = {"remote": False, "spec_flags": flags["speculative"], "binary": str(path)}
         self.serving = (str(model), json.dumps(flags["speculative"]))
 
@@ -349,8 +379,9 @@ class LlamaCpp:
         if self.config.get("remote"):
             return True
         try:
-            draft = head_gguf(s) if s.uses_head else gguf_path(s.draft) if s.drafter == "draft-model" else None
-            return self.serving == (str(gguf_path(s.target)), json.dumps(spec_flags(s, draft)))
+            draft = (head_gguf(s) if s.uses_head else model_gguf(s.draft, s.dtype, convert=False)
+                     if s.drafter == "draft-model" else None)  # fmt: skip
+            return self.serving == (str(model_gguf(s.target, s.dtype, convert=False)), json.dumps(spec_flags(s, draft)))
         except UserError:
             return False
 
@@ -360,7 +391,7 @@ class LlamaCpp:
 
         return {"backend": self.name, "llama_cpp": self.build, "model": self.model, "urls": self.urls,
                 "device": "llama-server", "device_name": f"llama.cpp {self.build} on {cpu_name()}",
-                "dtype": "as the GGUF stores it", "threads": threads(), "commands": self.commands,
+                "dtype": self.weights, "threads": threads(), "commands": self.commands,
                 "server_timings": dict(self.timings), **self.config}  # fmt: skip
 
     def command_line(self, role: str = "speculative") -> str:

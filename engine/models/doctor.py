@@ -189,13 +189,14 @@ def gguf_vocab_check(target: dict, draft: dict) -> Check:
                  "draft GGUF of the target's model family, or an n-gram drafter.")  # fmt: skip
 
 
-def diagnose_gguf(target: str, draft: str | None = None) -> dict:
-    """The pair doctor for llama.cpp: GGUF files (the bundled model as it ships, a local or Hub .gguf)."""
+def diagnose_gguf(target: str, draft: str | None = None, path=None) -> dict:
+    """The pair doctor for llama.cpp: GGUF files (the bundled model as it ships, a local or Hub .gguf), each found by
+    `path(spec)` (the llama.cpp backend's own choice, which converts model folders; loading.gguf_path by default)."""
     from engine.models.loading import gguf_path
     from engine.models.sizing import free_memory_bytes
 
     specs = {"target": target} | ({"draft": draft} if draft else {})
-    facts = {role: gguf_facts(gguf_path(spec)) for role, spec in specs.items()}
+    facts = {role: gguf_facts((path or gguf_path)(spec)) for role, spec in specs.items()}
     checks: list[Check] = []
     if draft:
         checks.append(gguf_vocab_check(facts["target"], facts["draft"]))

@@ -190,13 +190,14 @@ def gguf_path(spec: str, progress=lambda message: None) -> Path:
     path = Path(spec).expanduser()
     if path.exists() or spec.startswith((".", "/", "~")):
         if not path.is_file() or path.suffix != ".gguf":
-            raise UserError(f"{spec!r} is not a .gguf file: llama.cpp runs GGUF models.")
+            raise UserError(f"{spec!r} is neither a .gguf file nor a model folder with a config.json: llama.cpp runs "
+                            "GGUF models.")  # fmt: skip
         return path
     name, _, revision = spec.partition("@")
     parts = name.split("/")
     if len(parts) < 3 or not name.endswith(".gguf"):
         raise UserError(f"llama.cpp runs GGUF files: name {spec!r} as org/repo/file.gguf (a file of a Hub repo), "
-                        f"a local .gguf file, or {BUNDLED}.")  # fmt: skip
+                        f"a local .gguf file or model folder (converted once), or {BUNDLED}.")  # fmt: skip
     from huggingface_hub import hf_hub_download
 
     progress(f"fetching {name} from the Hugging Face Hub")
