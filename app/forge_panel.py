@@ -308,11 +308,21 @@ def verdict_markdown(summary: dict, folder: str, stopped: bool) -> str:
     training = summary.get("training") or {}
     per = ", ".join(f"{a:.2f}" for a in training.get("val_acceptance") or [])
     timing = ", ".join(f"{k} {v:.0f} s" for k, v in (summary.get("timing") or {}).items())
+    pays = summary.get("pays")
+    held = (summary.get("prompts") or {}).get("held_out") or 0
+    if pays:
+        where = "; the table below measures the held-out ones"
+    elif held:
+        gammas = ",".join(str(g) for g in range(1, len(training.get("val_acceptance") or [0, 0]) + 1))
+        where = (f"; not measured on the {held} held-out ones: `python -m engine bench --drafter eagle3 --draft "
+                 f"{folder} --gamma {gammas} --suite {folder}/held-out.jsonl` does")  # fmt: skip
+    else:
+        where = ""
     lines = [f"**Forged** `{folder}` in {summary.get('wall_s', 0):.0f} s ({timing})"
              + (", stopped early: the best checkpoint so far" if stopped else "") + ".",
-             f"Validation acceptance per draft position (prompts never trained on; the table below measures the "
-             f"held-out ones): {per or '-'}; expected accepted length "
-             f"{training.get('val_expected_length') or 0:.2f} (best at step {training.get('best_step')})."]  # fmt: skip
+             f"Validation acceptance per draft position (prompts never trained on{where}): {per or '-'}; expected "
+             f"accepted length {training.get('val_expected_length') or 0:.2f} (best at step "
+             f"{training.get('best_step')})."]  # fmt: skip
     served = training.get("val_per_pass") or []
     if served:
         lines[-1] += (" Replayed through the greedy loop, as the engine counts: " + ", ".join(
@@ -320,7 +330,6 @@ def verdict_markdown(summary: dict, folder: str, stopped: bool) -> str:
     gamma = head_of(summary, folder)["gamma"]
     if gamma:
         lines.append(f"The head's config proposes γ = {gamma}.")
-    pays = summary.get("pays")
     if pays:
         lines.append(f"Does it pay: {pays['verdict']}")
     lines.append("Take it to the Playground with the button below (drafter EAGLE-3 head, draft = this folder).")

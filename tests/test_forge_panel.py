@@ -57,6 +57,7 @@ def test_a_forge_streams_its_progress_and_ends_with_the_pays_table(panel):
     assert {row[0] for row in pays} == {"forged head", "prompt lookup", "suffix", "target alone"}
     assert all(row[6] == "yes" for row in pays if row[0] == "forged head")  # greedy ids == the baseline's
     assert "Does it pay: " in verdict and "stopped early" not in verdict
+    assert "the table below measures the held-out ones" in verdict
     assert use["visible"] is True
     folder = Path(head["folder"])
     assert folder.parent == Path(forge_panel.heads_root()).resolve() and (folder / "config.json").is_file()
@@ -86,6 +87,10 @@ def test_stop_ends_the_forge_with_its_best_head_written(panel):
     assert plain(status) == f"done: the head is in {folder}" and head["folder"] == str(folder)
     assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
     assert "stopped early" in verdict and pays == []  # a stopped forge skips the measurement
+    # ... and says how to measure the held-out prompts later, from the file it wrote beside the head
+    command = re.search(r"not measured on the \d+ held-out ones: `(python -m engine bench [^`]+)` does", verdict)
+    assert command and f"--suite {folder}/held-out.jsonl" in command.group(1), verdict
+    assert (folder / "held-out.jsonl").read_text().count("\n") > 0
     assert plain(forge_panel.stop(request("f2"))) == "nothing is being forged"
 
 

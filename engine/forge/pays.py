@@ -30,13 +30,13 @@ HELD_OUT_FILE = "held-out.jsonl"
 MARK = "specarena-pays "  # the child's lines for the parent; anything else a library prints is left alone
 
 
-def measure(cfg, held_out, summary: dict, progress=lambda done, total, what: None,
+def measure(cfg, summary: dict, progress=lambda done, total, what: None,
             stop: threading.Event | None = None) -> dict:  # fmt: skip
-    """The does-it-pay table of the head in cfg.out, measured by a fresh process; raises bench.Stopped on stop."""
+    """The does-it-pay table of the head in cfg.out on the held-out prompts the export wrote beside it, measured by
+    a fresh process; raises bench.Stopped on stop."""
     from engine.measure.bench import Stopped
 
     prompts = Path(cfg.out) / HELD_OUT_FILE
-    write_prompts(prompts, held_out)
     job = {"target": cfg.target, "draft": str(cfg.out), "dtype": cfg.dtype, "device": cfg.device,
            "max_new_tokens": cfg.pays_max_new_tokens, "seed": cfg.seed, "steps": cfg.steps,
            "repeats": cfg.pays_repeats, "prompts": str(prompts),

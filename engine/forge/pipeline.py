@@ -423,6 +423,10 @@ class Forge:
         self.budget.phase("export")  # the time so far counted, before the summary reads it
         self.summary = self._summary() | {"held_out": figures}
         write(self.head, self.out, self.loaded, self.summary)
+        if self.held_set.items:  # measured below, or later with `bench --suite DIR/held-out.jsonl`
+            from engine.forge.pays import HELD_OUT_FILE, write_prompts
+
+            write_prompts(self.out / HELD_OUT_FILE, self.held_set)
         yield self.event("export", f"wrote {self.out} (speculators layout, README.md)", 1.0)
 
     def _summary(self) -> dict:
@@ -462,7 +466,7 @@ class Forge:
         from engine.measure.bench import Stopped
 
         try:
-            result = measure(self.cfg, self.held_set, self.summary, progress, self.stop)
+            result = measure(self.cfg, self.summary, progress, self.stop)
         except Stopped:  # the head is written already; only the measurement is cut short
             return
         result["wall_s"] = round(time.perf_counter() - started, 1)
