@@ -48,7 +48,7 @@ SHARED = prompt_sets.FIELDS | {"categories": "task categories"}
 MIN_MINUTES, MAX_MINUTES = 1.0, 60.0
 HELD_OUT = 0.2  # the forge's held-out share when the Lab's prompt set sets none
 OPTIONS: dict = {}  # further ForgeConfig fields (an operator's, or a test's small batches); none by default
-PAYS_COLUMNS = ["drafter", "γ", "predicted ×", "measured ×", "accepted length", "acceptance", "identical"]
+PAYS_COLUMNS = ["drafter", "γ", "predicted ×", "measured ×", "accepted length", "acceptance", "lossless"]
 COLORS = ["#7c3aed", "#16a34a", "#f59e0b", "#2563eb", "#dc2626", "#0ea5e9", "#6b7280", "#db2777"]
 OUTPUTS = 6  # progress table, chart, verdict, does-it-pay table, "use this head", the head: then status, mark
 
@@ -289,10 +289,12 @@ def progress_figure(records: list[dict]) -> go.Figure:
 
 
 def pays_rows(pays: dict | None) -> list[list]:
+    from engine.forge.pays import lossless_of
+
     names = {"eagle3": "forged head", "prompt-lookup": "prompt lookup", "suffix": "suffix"}
     return [[names.get(r["drafter"], r["drafter"]), r["gamma"] or "-", _r(r.get("predicted"), 2),
              _r(r.get("speedup"), 2), _r(r.get("mean_accepted_length"), 2), _r(r.get("acceptance_rate"), 2),
-             {True: "yes", False: "no"}.get(r.get("identical"), "-")]
+             lossless_of(r)]
             for r in (pays or {}).get("rows", [])]  # fmt: skip
 
 

@@ -537,3 +537,37 @@ def test_the_replayed_loop_keeps_at_every_verify_pass_what_the_engine_keeps(forg
             assert engine[:-1] == replayed[: len(engine) - 1], (item.id, gamma)  # the last pass meets the length cap
             kept_somewhere += sum(engine)
     assert kept_somewhere > 0  # a head that never hits would agree with anything
+
+
+def test_a_head_forged_for_a_bfloat16_target_is_judged_lossless_and_identical_in_strict_mode(model_dirs, tmp_path):
+    """Users forge for 16-bit targets. The head is stored in the target's dtype; the does-it-pay table says of each
+    greedy pair what the lossless judge says (identical, or parted by 16-bit rounding with the evidence, never a bug),
+    and so do its verdict and the Lab's table; with strict mode the head's ids equal the baseline's exactly."""
+    from safetensors import safe_open
+
+    from app.forge_panel import pays_rows
+    from engine.compare import compare
+    from engine.forge import ForgeConfig, forge
+    from engine.forge.pays import LOSSLESS, worst_verdict
+    from engine.measure import promptsets
+    from engine.settings import Settings
+
+    folder, prompts = _target(model_dirs), _prompts(tmp_path)
+    out = tmp_path / "head"
+    cfg = ForgeConfig(target=str(folder), out=str(out), suite=str(prompts), minutes=20 / 60, batch_size=16, steps=2,
+                      max_new_tokens=16, threads="1", fast="off", pays=True, pays_max_new_tokens=16,
+                      dtype="bfloat16")  # fmt: skip
+    summary = forge(cfg)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys() if f.get_tensor(k).is_floating_point()} == {torch.bfloat16}
+    rows = summary["pays"]["rows"]
+    mine = [r for r in rows if r["drafter"] == "eagle3"]
+    assert mine and all(r["lossless"] in ("identical", "rounding", "unjudged") for r in rows), rows
+    assert summary["pays"]["verdict"].endswith(LOSSLESS.get(worst_verdict(mine), "."))
+    assert [row[6] for row in pays_rows(summary["pays"])] == [r["lossless"] for r in rows]
+    held = promptsets.read_file(out / "held-out.jsonl").items
+    for item in held[:3]:
+        s = Settings(target=str(folder), drafter="eagle3", draft=str(out), gamma=2, dtype="bfloat16", strict="on",
+                     max_new_tokens=24, seed=0)  # fmt: skip
+        c = compare(s, item.prompt)
+        assert c.speculative.token_ids == c.baseline.token_ids, item.id

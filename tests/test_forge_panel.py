@@ -55,7 +55,7 @@ def test_a_forge_streams_its_progress_and_ends_with_the_pays_table(panel):
     assert all(0 <= a <= 1 for row in table["data"] for a in row[-2:])
     assert len(chart.data) == 2  # a line per draft position
     assert {row[0] for row in pays} == {"forged head", "prompt lookup", "suffix", "target alone"}
-    assert all(row[6] == "yes" for row in pays if row[0] == "forged head")  # greedy ids == the baseline's
+    assert all(row[6] == "identical" for row in pays if row[0] == "forged head")  # greedy ids == the baseline's
     assert "Does it pay: " in verdict and "stopped early" not in verdict
     assert "the table below measures the held-out ones" in verdict
     assert use["visible"] is True

@@ -118,6 +118,28 @@ def _mean(samples: list[dict], cell: int, key: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+# what the head's worst greedy pair says about losslessness (engine.decoding.lossless), at the verdict's end
+LOSSLESS = {
+    "rounding": "; its ids parted from the baseline's where 16-bit rounding let a verify pass and a one-token pass "
+                "pick different near-tied tokens, not a bug (strict mode makes them identical).",
+    "unjudged": "; its ids parted from the baseline's where the cause cannot be told (a near three-way tie).",
+    "differs": "; its ids differed from the baseline's beyond rounding: a bug, please report it with this head.",
+}
+
+
+def lossless_of(row: dict) -> str:
+    """A row's greedy verdict, its worst pair's, as the Lab's sweep shows it: identical, rounding (16-bit), unjudged,
+    differs; a table written before the verdict was kept says identical or differs."""
+    return row.get("lossless") or {True: "identical", False: "differs"}.get(row.get("identical"), "-")
+
+
+def worst_verdict(rows: list[dict]) -> str | None:
+    from engine.measure.bench import VERDICTS
+
+    kinds = [lossless_of(r) for r in rows if lossless_of(r) in VERDICTS]
+    return max(kinds, key=VERDICTS.index) if kinds else None
+
+
 def summarise(head: dict, others: dict, predicted_gamma: int | None) -> dict:
     """The table: per drafter and gamma the median speedup over the prompts and the mean accepted length per verify
     pass (a median of a few 64-token answers read 63/46 at gamma 2, 3 and 4 alike). "recommended" is the head's row
@@ -134,10 +156,11 @@ def summarise(head: dict, others: dict, predicted_gamma: int | None) -> dict:
                          "speedup": cell["speedup"]["median"], "predicted": predicted,
                          "mean_accepted_length": _mean(data["samples"], i, "mean_accepted_length"),
                          "acceptance_rate": cell["acceptance_rate"]["median"], "identical": cell["all_identical"],
+                         "lossless": cell.get("lossless"),
                          "by_category": {k: v["speedup"]["median"]
                                          for k, v in cell["by_category"].items()}})  # fmt: skip
     rows.append({"drafter": "target alone", "gamma": 0, "speedup": 1.0, "predicted": 1.0, "mean_accepted_length": 1.0,
-                 "acceptance_rate": None, "identical": True, "by_category": {}})  # fmt: skip
+                 "acceptance_rate": None, "identical": True, "lossless": "identical", "by_category": {}})  # fmt: skip
     mine = [r for r in rows if r["drafter"] == "eagle3"]
     best = max(mine, key=lambda r: r["speedup"] or 0)
     rivals = [r for r in rows if r["drafter"] in ("prompt-lookup", "suffix")]
@@ -150,7 +173,7 @@ def summarise(head: dict, others: dict, predicted_gamma: int | None) -> dict:
     if forecast is not None and forecast is not best:
         verdict += (f"; the validation answers predicted gamma {predicted_gamma} best, measured "
                     f"{forecast['speedup']:.2f}x")  # fmt: skip
-    verdict += "." if all(r["identical"] is not False for r in mine) else " (ids differed from the baseline's!)"
+    verdict += LOSSLESS.get(worst_verdict(mine), ".")
     return {"rows": rows, "verdict": verdict, "head_fit": fits.get("eagle3"), "recommended": best,
             "predicted_gamma": predicted_gamma, "prompts": head["prompt_set"]["ids"]}  # fmt: skip
 
