@@ -571,3 +571,88 @@ def test_a_head_forged_for_a_bfloat16_target_is_judged_lossless_and_identical_in
                      max_new_tokens=24, seed=0)  # fmt: skip
         c = compare(s, item.prompt)
         assert c.speculative.token_ids == c.baseline.token_ids, item.id
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads Linux's /proc")
+def test_a_shard_read_back_is_mapped_from_its_file_with_the_values_written(tmp_path):
+    """The forge's data never has to fit in memory (issue: "never more memory than the machine has"): a shard read
+    back holds the very values written, and its features and labels lie in the file's mapping, which the OS pages in
+    and out, not in memory of the process's own (where a copy lies: the same check tells them apart)."""
+    from engine.forge.data import Sequence, read_shard, write_shard
+
+    gen = torch.Generator().manual_seed(0)
+
+    def seq(i: int, dtype) -> Sequence:
+        n = 64
+        return Sequence(list(range(i, i + n + 1)), 7, torch.randn(n, 96, generator=gen).to(dtype),
+                        torch.randint(0, 999, (n, 16), generator=gen, dtype=torch.int32),
+                        torch.rand(n, 16, generator=gen).half(), "greedy", f"p{i}")  # fmt: skip
+
+    for dtype in (torch.float16, torch.bfloat16):
+        written = [seq(0, dtype), seq(1, dtype), seq(2, dtype)]
+        path = write_shard(tmp_path / str(dtype), 0, written, "val")
+        split, back = read_shard(path)
+        assert split == "val" and len(back) == 3
+        for a, b in zip(written, back):
+            assert (a.tokens, a.prompt_len, a.source, a.prompt_id) == (b.tokens, b.prompt_len, b.source, b.prompt_id)
+            for name in ("features", "top_ids", "top_p"):
+                x, y = getattr(a, name), getattr(b, name)
+                assert y.dtype == x.dtype and torch.equal(x, y), name
+                assert _backing_file(y) == str(path), name
+        assert _backing_file(back[0].features.clone()) == ""
+
+
+def _backing_file(t: torch.Tensor) -> str:
+    """The file mapped where a tensor's memory lies ("" for memory of the process's own: the heap, anonymous maps),
+    from /proc/self/maps."""
+    address = t.untyped_storage().data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in parts[0].split("-"))
+        if start <= address < end:
+            return parts[5] if len(parts) > 5 and parts[5].startswith("/") else ""
+    return ""
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads Linux's /proc")
+def test_the_data_a_forge_makes_is_held_as_its_shards_on_disk(model_dirs, tmp_path):
+    """What the data phase makes is kept as the shards it wrote, mapped, not as the tensors it generated: every
+    sequence's features and labels in the forge's data set lie in a shard file's mapping."""
+    from engine.forge.pipeline import Forge, ForgeConfig, prompt_sets
+
+    folder, prompts = _target(model_dirs), _prompts(tmp_path)
+    cfg = ForgeConfig(target=str(folder), out=str(tmp_path / "head"), suite=str(prompts), minutes=6 / 60,
+                      batch_size=16, steps=2, max_new_tokens=8, threads="1", fast="off", pays=False)  # fmt: skip
+    run = Forge(cfg)
+    run.train_set, run.val_set, run.held_set = prompt_sets(cfg)
+    list(run.load())
+    list(run.make_data())
+    made = run.dataset.train + run.dataset.val
+    assert made and run.dataset.shards > 1
+    for s in made:
+        for t in (s.features, s.top_ids, s.top_p):
+            assert _backing_file(t).startswith(str(tmp_path / "head" / "data" / "shard-")), _backing_file(t)
+
+
+def test_the_data_phase_stops_before_the_disk_fills(model_dirs, tmp_path, monkeypatch):
+    """A shard that would leave less than the spare on the disk is not written: the data phase ends and says why, and
+    a forge with nothing made says that, not "give it more minutes"."""
+    import shutil
+
+    from engine.forge import ForgeConfig, forge
+    from engine.forge import data as D
+
+    seqs = [D.Sequence([1, 2, 3], 1, torch.zeros(2, 4), torch.zeros(2, 16, dtype=torch.int32),
+                       torch.zeros(2, 16, dtype=torch.float16))]  # fmt: skip
+    free = shutil.disk_usage(tmp_path).free
+    assert D.disk_full(tmp_path, seqs, spare=0) == ""
+    assert D.disk_full(tmp_path, seqs, spare=free).startswith("stopped making data: the next shard")
+    monkeypatch.setattr(D, "DISK_SPARE", free * 2)
+    folder, prompts = _target(model_dirs), _prompts(tmp_path)
+    cfg = ForgeConfig(target=str(folder), out=str(tmp_path / "head"), suite=str(prompts), minutes=10 / 60,
+                      batch_size=16, steps=2, max_new_tokens=8, threads="1", fast="off", pays=False)  # fmt: skip
+    events = []
+    forge(cfg, events.append)
+    assert any(e.phase == "data" and e.message.startswith("stopped making data") for e in events)
+    assert events[-1].phase == "done" and events[-1].message.startswith("stopped making data")
+    assert not list((tmp_path / "head" / "data").glob("shard-*"))

@@ -15,7 +15,11 @@ too; what it wrote is data as well.
 
 One batch becomes one shard under `DIR/data/` (safetensors, sequences packed end to end with their offsets), so a
 run that stops keeps what it made and a resumed run reads it back instead of generating again. Features are kept in
-16 bits (float16 when they fit, else bfloat16), labels as int32 ids and float16 probabilities.
+16 bits (float16 when they fit, else bfloat16), labels as int32 ids and float16 probabilities. The data set in memory
+is the shards mapped from disk (`read_shard`), not copies: its pages come from the OS's file cache as training
+touches them and go back under pressure, so the data never has to fit in memory (an 8B target's features take
+24.6 KB a token: a GPU's 15 minutes would make more than many hosts hold). What must fit is the disk: the data phase
+stops, and says so, when the next shard would leave less than DISK_SPARE free.
 
 Position bookkeeping (the head's rows, engine.decoding.heads): a sequence x_0..x_{n-1} (prompt of P tokens, then the
 answer) has features g_0..g_{n-2} (every token fed to the target) and labels at positions P-1..n-2 (the distribution
@@ -38,6 +42,7 @@ from typing import Callable, Iterator
 import torch
 
 TOP_K = 16  # probabilities kept per answer position: the soft label (the rest of the mass is dropped)
+DISK_SPARE = 2 * 2**30  # bytes the data phase leaves free on the disk it writes to
 
 # Follow-up turns the forge adds to the target's own conversations: where the prompts are few, these keep the data on
 # the prompts' subjects and in the target's own voice. New prompts written by a small target (VARIATION) drift into
@@ -293,6 +298,23 @@ def prompt_id(text: str, prefix: str = "gen") -> str:
 # --- shards on disk -----------------------------------------------------------------------------------------------
 
 
+def disk_full(folder: Path, sequences: list[Sequence], spare: int | None = None) -> str:
+    """Why the next shard should not be written ("" when it fits with `spare` bytes, DISK_SPARE by default, left on
+    the disk)."""
+    import shutil
+
+    spare = DISK_SPARE if spare is None else spare
+    folder.mkdir(parents=True, exist_ok=True)
+    need = sum(s.features.nbytes + s.top_ids.nbytes + s.top_p.nbytes + 8 * len(s.tokens) for s in sequences)
+    free = shutil.disk_usage(folder).free
+    if free - need >= spare:
+        return ""
+    left = max(free - need, 0) / 2**30
+    return (f"stopped making data: the next shard ({need / 2**20:.0f} MiB) would leave {left:.1f} GiB free on the "
+            f"disk of {folder} (the forge keeps {spare / 2**30:.0f} GiB); training on what was made. Free some space "
+            "or give --out another disk for more.")  # fmt: skip
+
+
 def write_shard(folder: Path, index: int, sequences: list[Sequence], split: str) -> Path:
     """One shard: the sequences packed end to end (tokens, features, labels) and their offsets."""
     from safetensors.torch import save_file
@@ -314,13 +336,36 @@ def write_shard(folder: Path, index: int, sequences: list[Sequence], split: str)
     return path
 
 
-def read_shard(path: Path) -> tuple[str, list[Sequence]]:
-    from safetensors import safe_open
-    from safetensors.torch import load_file
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I32": torch.int32,
+                      "I64": torch.int64}  # fmt: skip
 
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata()
-    t = load_file(str(path))
+
+def mapped(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """A safetensors file's tensors as views of the file mapped copy-on-write (nothing is read until touched, and
+    pages stay the OS's to drop), and its metadata. safetensors orders tensors so that each starts aligned to its
+    element size."""
+    import mmap
+
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # the map outlives the file descriptor
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES[info["dtype"]]
+        start, end = info["data_offsets"]
+        count = (end - start) // dtype.itemsize
+        flat = torch.frombuffer(view, dtype=dtype, count=count, offset=8 + size + start) if count else \
+            torch.empty(0, dtype=dtype)  # fmt: skip
+        tensors[name] = flat.view(info["shape"])  # the tensor keeps the map alive
+    return tensors, header.get("__metadata__") or {}
+
+
+def read_shard(path: Path) -> tuple[str, list[Sequence]]:
+    """A shard's sequences, their features and labels mapped from the file (see `mapped`)."""
+    t, meta = mapped(path)
     sources, ids = json.loads(meta["sources"]), json.loads(meta["prompt_ids"])
     out, at, row = [], 0, 0
     for i, (n, p) in enumerate(zip(t["lengths"].tolist(), t["prompt_lens"].tolist())):

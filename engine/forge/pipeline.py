@@ -169,6 +169,7 @@ class Forge:
         self.budget = Budget(cfg.minutes)
         self.state = self._read_state()
         self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.data_note = ""  # why the data phase ended early (the disk), when it did
 
     # -- state on disk (resume) --
     def _read_state(self) -> dict:
@@ -257,16 +258,21 @@ class Forge:
             sequences = D.generate(model, missing, self.layers, self.eos, self.generator, deadline, stop=self.stop)
             rows = iter(sequences)
             self._made = [s if s is not None else next(rows) for s in found]
-            D.write_shard(folder, self.dataset.shards, sequences, split)
+            self.data_note = D.disk_full(folder, sequences)
+            if self.data_note:
+                yield self.event("data", self.data_note, 1.0)
+                break
+            path = D.write_shard(folder, self.dataset.shards, sequences, split)
             self.dataset.shards += 1
-            self.dataset.add(split, sequences)
+            self.dataset.add(split, D.read_shard(path)[1])  # mapped from the file: memory holds no copy
             made = self.dataset.answer_tokens() + self.dataset.answer_tokens("val") - made_before
             rate = made / max(time.perf_counter() - started, 1e-6)  # answer tokens: the labelled positions
             share = min(1.0, (time.perf_counter() - started) / max(deadline - started, 1e-6))
             train, val = len(self.dataset.train), len(self.dataset.val)
             yield self.event("data", f"{made:,} answer tokens ({rate:.0f}/s), {train} train and {val} validation "
                              "sequences", share, tokens=made, rate=rate)  # fmt: skip
-        self._write_state(data_done=True, data_tokens=self.dataset.answer_tokens())
+        # a run the disk cut short makes the rest when resumed with space to spare
+        self._write_state(data_done=not self.data_note, data_tokens=self.dataset.answer_tokens())
 
     def _plan(self, deadline: float) -> Iterator[tuple[str, D.Batch]]:
         """Validation answers first (small), then greedy and sampled answers to the training prompts, then rounds of
@@ -495,7 +501,8 @@ class Forge:
         yield from self.load()
         yield from self.make_data()
         if not self.dataset.train:
-            yield self.event("done", "no training data was made within the budget: give it more minutes.", 1.0)
+            yield self.event("done", self.data_note or "no training data was made within the budget: give it more "
+                             "minutes.", 1.0)  # fmt: skip
             return
         yield from self.vocabulary()
         yield from self.training(reserve_s=max(5.0, 0.02 * self.cfg.minutes * 60))
