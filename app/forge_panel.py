@@ -311,18 +311,10 @@ def verdict_markdown(summary: dict, folder: str, stopped: bool) -> str:
     per = ", ".join(f"{a:.2f}" for a in training.get("val_acceptance") or [])
     timing = ", ".join(f"{k} {v:.0f} s" for k, v in (summary.get("timing") or {}).items())
     pays = summary.get("pays")
-    held = (summary.get("prompts") or {}).get("held_out") or 0
-    if pays:
-        where = "; the table below measures the held-out ones"
-    elif held:
-        gammas = ",".join(str(g) for g in range(1, len(training.get("val_acceptance") or [0, 0]) + 1))
-        where = (f"; not measured on the {held} held-out ones: `python -m engine bench --drafter eagle3 --draft "
-                 f"{folder} --gamma {gammas} --suite {folder}/held-out.jsonl` does")  # fmt: skip
-    else:
-        where = ""
     lines = [f"**Forged** `{folder}` in {summary.get('wall_s', 0):.0f} s ({timing})"
              + (", stopped early: the best checkpoint so far" if stopped else "") + ".",
-             f"Validation acceptance per draft position (prompts never trained on{where}): {per or '-'}; expected "
+             f"Validation acceptance per draft position (prompts never trained on"
+             f"{'; the table below measures the held-out ones' if pays else ''}): {per or '-'}; expected "
              f"accepted length {training.get('val_expected_length') or 0:.2f} (best at step "
              f"{training.get('best_step')})."]  # fmt: skip
     served = training.get("val_per_pass") or []
@@ -332,6 +324,12 @@ def verdict_markdown(summary: dict, folder: str, stopped: bool) -> str:
     gamma = head_of(summary, folder)["gamma"]
     if gamma:
         lines.append(f"The head's config proposes γ = {gamma}.")
+    held = (summary.get("prompts") or {}).get("held_out") or 0
+    if held and not pays:
+        gammas = ",".join(str(g) for g in range(1, len(training.get("val_acceptance") or [0, 0]) + 1))
+        lines.append(f"Its {held} held-out prompt{'s were' if held > 1 else ' was'} not measured; this command "
+                     f"measures {'them' if held > 1 else 'it'}: `python -m engine bench --drafter eagle3 --draft "
+                     f"{folder} --gamma {gammas} --suite {folder}/held-out.jsonl`")  # fmt: skip
     if pays:
         lines.append(f"Does it pay: {pays['verdict']}")
     lines.append("Take it to the Playground with the button below (drafter EAGLE-3 head, draft = this folder).")
