@@ -427,16 +427,15 @@ def apply_preset(name: str):
 
 def check_pair(**form):
     """The pair doctor's report as Markdown, before any weights load."""
-    from engine.models.doctor import diagnose, diagnose_gguf, markdown
+    from engine.models.doctor import diagnose, markdown
 
     try:
         s = settings_from(**form)
         draft = s.draft if s.uses_draft else None
         if s.backend == "llama.cpp":
-            from engine.backends.llamacpp import model_gguf
+            from engine.backends import llamacpp
 
-            found = diagnose_gguf(s.target, draft, lambda spec: model_gguf(spec, s.dtype))
-            return render.text_marks(markdown(found))
+            return render.text_marks(markdown(llamacpp.doctor(s)))
         return render.text_marks(markdown(diagnose(s.target, draft, s.dtype, tokens=s.max_new_tokens + 1024,
                                                    head=s.uses_head)))  # fmt: skip
     except UserError as exc:

@@ -443,15 +443,19 @@ def hf_table(data: dict) -> str:
 
 def cmd_doctor(args) -> int:
     """Exit code 0 when the pair can run (notes and warnings included), 1 when a check fails."""
-    from engine.models.doctor import diagnose, diagnose_gguf, markdown
+    from engine.models.doctor import diagnose, markdown
 
     if args.backend == "llama.cpp":
-        from engine.backends.llamacpp import model_gguf
+        from engine.backends import llamacpp
 
         def say(message: str) -> None:  # on stderr: --json keeps stdout to one object
             print(message, file=sys.stderr)
 
-        report = diagnose_gguf(args.target, args.draft, lambda spec: model_gguf(spec, args.dtype, say))
+        from engine.settings import Settings
+
+        drafter = args.drafter or ("draft-model" if args.draft else "prompt-lookup")
+        s = Settings(backend="llama.cpp", target=args.target, drafter=drafter, draft=args.draft or "", dtype=args.dtype)
+        report = llamacpp.doctor(s, say)
     else:
         report = diagnose(args.target, args.draft, args.dtype, args.device, args.tokens, head=args.drafter in HEADS)
     print(json.dumps(report) if args.json else markdown(report).replace("**", ""))

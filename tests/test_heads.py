@@ -254,3 +254,18 @@ def test_a_head_reads_the_output_layer_in_whatever_layout_the_cpu_path_keeps_it(
         wrapped = CpuLinear(linear)
         wrapped.keep_only(forms)
         assert torch.equal(linear_weight(wrapped), linear.weight.detach()), forms
+
+
+def test_the_doctor_knows_the_bundled_model_under_each_of_its_names(target, tmp_path):
+    """A forged head names its verifier as the forge was told ("bundled"); the target may be written
+    bundled:smollm2-135m-instruct, its converted folder or its Hub id: all the same model, so no "expect lower
+    acceptance" warning. Another model is warned about."""
+    from engine.models.heads import doctor_checks
+    from engine.settings import BUNDLED
+
+    folder = write_head(random_head(target, "eagle3"), tmp_path / "h", "speculators-eagle3", verifier="bundled")
+    for spec in (BUNDLED, "bundled", "/somewhere/cache/smollm2-135m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        found, _ = doctor_checks(str(folder), spec, target.config)
+        assert ("verifier", "ok", "the head was trained for bundled") in found, (spec, found)
+    found, _ = doctor_checks(str(folder), "meta-llama/Llama-3.2-1B", target.config)
+    assert found[-1][:2] == ("verifier", "warn") and "expect lower acceptance" in found[-1][2]

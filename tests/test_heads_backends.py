@@ -161,3 +161,16 @@ def test_a_head_that_llama_cpp_cannot_run_is_refused_before_any_server_starts(he
         head_gguf(Settings(**(s.to_dict() | {"draft": str(folder)})))
     with pytest.raises(UserError, match="at most 3 tokens"):
         head_gguf(Settings(**(settings("llama.cpp", "dflash", heads).to_dict() | {"gamma": 5})))
+
+
+def test_the_llama_cpp_pair_doctor_checks_a_head_against_the_target_its_converter_reads(heads, capsys):
+    """`doctor --backend llama.cpp` with a head: the target's GGUF facts and the head's checks, as on the other
+    backends (it once handed the head's folder to the converter as if it were a model)."""
+    from engine.__main__ import main
+
+    assert main(["doctor", "--backend", "llama.cpp", "--dtype", "float32", "--drafter", "eagle3", "--draft",
+                 heads["eagle3"]]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert out.startswith("Pair check: ok (f32, converted on llama.cpp)"), out
+    assert "eagle3 head (speculators-eagle3 layout) reading target layers [2, 15, 27]" in out
+    assert "verifier: the head was trained for" in out and "expect lower acceptance" not in out

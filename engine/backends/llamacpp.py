@@ -250,6 +250,27 @@ def model_gguf(spec: str, dtype: str, progress=lambda message: None, convert: bo
     return out
 
 
+def doctor(s: Settings, progress=lambda message: None) -> dict:
+    """The pair doctor on llama.cpp: the GGUF files the servers would run (engine.models.doctor.diagnose_gguf); a head
+    is checked as on the other backends, against the target's Hugging Face config that llama.cpp's converter reads
+    beside it (engine.backends.heads.converter_target)."""
+    from engine.models.doctor import diagnose_gguf, with_head
+
+    draft = s.draft if s.drafter == "draft-model" and s.draft.strip() else None
+    converted = model_gguf(s.target, s.dtype, convert=False).parent == cache_dir() / "models-gguf"
+    report = diagnose_gguf(s.target, draft, lambda spec: model_gguf(spec, s.dtype, progress),
+                           weights=f"{OUTTYPES[s.dtype]}, converted" if converted else STORED)  # fmt: skip
+    if not s.uses_head:
+        return report
+    from transformers import AutoConfig
+
+    from engine.backends.heads import converter_target
+    from engine.models.heads import doctor_checks
+
+    target = converter_target(s, progress)
+    return with_head(report, s.draft, *doctor_checks(s.draft, str(target), AutoConfig.from_pretrained(target)))
+
+
 def threads() -> int:
     return len(os.sched_getaffinity(0))
 

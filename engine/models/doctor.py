@@ -139,7 +139,11 @@ def _diagnose_head(target: str, head: str, dtype: str, device: str, tokens: int)
     from engine.models.heads import doctor_checks
 
     report = diagnose(target, None, dtype, device, tokens)
-    found, params = doctor_checks(head, target, _config(target))
+    return with_head(report, head, *doctor_checks(head, target, _config(target)))
+
+
+def with_head(report: dict, head: str, found: list[tuple[str, str, str]], params: int) -> dict:
+    """A target's report with a head's checks (engine.models.heads.doctor_checks) added, and the verdict again."""
     checks = [Check(**c) for c in report["checks"]] + [Check(*c) for c in found]
     worst = max((c.status for c in checks), key=RANK.get)
     return report | {"draft": head, "params": report["params"] | {"draft": params},
@@ -189,7 +193,7 @@ def gguf_vocab_check(target: dict, draft: dict) -> Check:
                  "draft GGUF of the target's model family, or an n-gram drafter.")  # fmt: skip
 
 
-def diagnose_gguf(target: str, draft: str | None = None, path=None) -> dict:
+def diagnose_gguf(target: str, draft: str | None = None, path=None, weights: str = "as the GGUF stores it") -> dict:
     """The pair doctor for llama.cpp: GGUF files (the bundled model as it ships, a local or Hub .gguf), each found by
     `path(spec)` (the llama.cpp backend's own choice, which converts model folders; loading.gguf_path by default)."""
     from engine.models.loading import gguf_path
@@ -215,7 +219,7 @@ def diagnose_gguf(target: str, draft: str | None = None, path=None) -> dict:
     checks.append(Check("memory", status, f"GGUF files {size / 2**30:.2f} GiB, twice (two servers), of "
                         f"{free / 2**30:.1f} GiB free"))  # fmt: skip
     worst = max((c.status for c in checks), key=RANK.get)
-    return {"target": target, "draft": draft, "dtype": "as the GGUF stores it", "device": "llama.cpp",
+    return {"target": target, "draft": draft, "dtype": weights, "device": "llama.cpp",
             "params": {role: f["params"] for role, f in facts.items()},
             "verdict": {"ok": "ok", "note": "ok", "warn": "warn", "fail": "fail"}[worst],
             "checks": [asdict(c) for c in checks]}  # fmt: skip

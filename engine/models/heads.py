@@ -158,9 +158,7 @@ def doctor_checks(spec: str, target_spec: str, target_config) -> tuple[list[tupl
     what = f"{c.kind} head ({c.layout} layout) reading target layers {list(c.layers)}"
     checks = [("head", "fail" if problems else "ok", " ".join(problems) if problems else what)]
     if c.verifier:
-        named = Path(c.verifier.rstrip("/")).name.lower()
-        ours = Path(str(target_spec).split("@")[0].rstrip("/")).name.lower()
-        status = "ok" if named == ours else "warn"
+        status = "ok" if _model_name(c.verifier) == _model_name(target_spec) else "warn"
         detail = f"the head was trained for {c.verifier}"
         if status != "ok":
             detail += f", not {target_spec}: expect lower acceptance"
@@ -168,6 +166,16 @@ def doctor_checks(spec: str, target_spec: str, target_config) -> tuple[list[tupl
     with torch.device("meta"):
         params = sum(p.numel() for p in Head(c).parameters())
     return checks, params + (c.draft_vocab_size or 0) * c.hidden_size * (c.kind == "eagle3")
+
+
+def _model_name(spec: str) -> str:
+    """What a verifier and a target spec are compared by: the model's name (a Hub id's or a folder's, revision
+    dropped, lowercase), the bundled model's under all its names (a forged head names it "bundled"; the target is
+    also "bundled:smollm2-135m-instruct", or its converted folder)."""
+    from engine.settings import BUNDLED
+
+    spec = str(spec).split("@")[0].rstrip("/")
+    return BUNDLED.partition(":")[2] if spec in ("bundled", BUNDLED) else Path(spec).name.lower()
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
