@@ -398,7 +398,12 @@ def test_the_forge_runs_on_the_engine_thread_and_a_first_ctrl_c_stops_it(monkeyp
     monkeypatch.setattr(pipeline, "forge_events", fake_events)
     events = []
     assert threading.current_thread() is threading.main_thread()
-    summary = pipeline.forge(pipeline.ForgeConfig(target="t", out="o"), events.append)
+    # as a terminal's Ctrl-C finds it: a test session started as a background job inherits SIGINT ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        summary = pipeline.forge(pipeline.ForgeConfig(target="t", out="o"), events.append)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert seen == {"on_engine": True, "stopped": True} and summary == {"stopped": True}
     assert [e.phase for e in events] == ["train", "stop", "done"]
 
@@ -466,8 +471,11 @@ def test_ctrl_c_on_the_command_line_stops_the_forge_and_keeps_the_head(forged, t
     command = [sys.executable, "-m", "engine", "forge", "--target", cfg.target, "--prompts", cfg.suite, "--minutes",
                "0.5", "--out", str(out), "--gamma-max", "2", "--max-new-tokens", "16", "--batch-size", "16",
                "--threads", "1", "--no-pays", "--data-dtype", "bfloat16"]  # fmt: skip
+    # SIGINT as a terminal's Ctrl-C finds it, even where this session runs as a background job (SIGINT ignored,
+    # which a child would inherit)
     child = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                             env=dict(os.environ, HF_HUB_OFFLINE="1"))  # fmt: skip
+                             env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     said = []
     for line in child.stderr:
         said.append(line)
