@@ -664,3 +664,17 @@ def test_the_data_phase_stops_before_the_disk_fills(model_dirs, tmp_path, monkey
     assert any(e.phase == "data" and e.message.startswith("stopped making data") for e in events)
     assert events[-1].phase == "done" and events[-1].message.startswith("stopped making data")
     assert not list((tmp_path / "head" / "data").glob("shard-*"))
+    # with room for three shards: it trains on them, and the summary and the card say why the data is short
+    real, written = D.disk_full, []
+
+    def three_shards(folder, seqs):
+        written.append(folder)
+        return "" if len(written) <= 3 else real(folder, seqs)
+
+    monkeypatch.setattr(D, "disk_full", three_shards)
+    cfg = ForgeConfig(**(cfg.__dict__ | {"out": str(tmp_path / "short")}))
+    summary = forge(cfg)
+    assert len(list((tmp_path / "short" / "data").glob("shard-*"))) == 3 and summary["training"]["steps"] > 0
+    assert summary["data"]["stopped"].startswith("stopped making data: the next shard")
+    assert "Stopped making data: the next shard" in (tmp_path / "short" / "README.md").read_text()
+    assert json.loads((tmp_path / "short" / "forge-state.json").read_text())["data_done"] is False

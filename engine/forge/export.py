@@ -129,7 +129,8 @@ def card(s: dict) -> str:
         f"{s['prompts']['val']} validation, {s['prompts']['held_out']} held out (never generated on or trained on)",
         f"- the target's own answers: {d['train_answers']} train ({d['train_answer_tokens']:,} answer tokens; by "
         f"source {d['sources']}), {d['val_answers']} validation ({d['val_answer_tokens']:,} tokens)"
-        + (f", made in {d['dtype']}" if d.get("dtype") else ""),
+        + (f", made in {d['dtype']}" if d.get("dtype") else "")
+        + (f". {d['stopped'][:1].upper()}{d['stopped'][1:]}" if d.get("stopped") else ""),
         f"- draft vocabulary: {v['size']:,} of {v['target_vocabulary']:,} tokens, covering {v['train_coverage']:.1%} "
         f"of training labels and {v['val_coverage']:.1%} of validation labels",
         "", "## Training", "",

@@ -451,7 +451,7 @@ class Forge:
                      "train_answer_tokens": self.dataset.answer_tokens(),
                      "val_answer_tokens": self.dataset.answer_tokens("val"),
                      "sources": _sources(self.dataset.train), "bytes": self.dataset.bytes(),
-                     "dtype": self.data_dtype},
+                     "dtype": self.data_dtype, "stopped": self.data_note or None},
             "vocabulary": self.vocab, "training": self.trainer.report(),
         }  # fmt: skip
 
