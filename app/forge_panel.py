@@ -289,12 +289,10 @@ def progress_figure(records: list[dict]) -> go.Figure:
 
 
 def pays_rows(pays: dict | None) -> list[list]:
-    from engine.forge.pays import lossless_of
-
     names = {"eagle3": "forged head", "prompt-lookup": "prompt lookup", "suffix": "suffix"}
     return [[names.get(r["drafter"], r["drafter"]), r["gamma"] or "-", _r(r.get("predicted"), 2),
              _r(r.get("speedup"), 2), _r(r.get("mean_accepted_length"), 2), _r(r.get("acceptance_rate"), 2),
-             lossless_of(r)]
+             r["lossless"] or "-"]
             for r in (pays or {}).get("rows", [])]  # fmt: skip
 
 

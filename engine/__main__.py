@@ -157,13 +157,17 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+def drafter_of(args: argparse.Namespace) -> str:
+    """The drafter the options name: --drafter, else a draft model when --draft is given, else prompt lookup."""
+    return args.drafter or ("draft-model" if args.draft else "prompt-lookup")
+
+
 def settings_from(args: argparse.Namespace, **overrides):
     """The command line's options as Settings (the same names the app and the API use)."""
     from engine.settings import Settings
 
-    drafter = args.drafter or ("draft-model" if args.draft else "prompt-lookup")
     values = dict(
-        target=args.target, draft=args.draft or "", drafter=drafter, gamma=getattr(args, "gamma", 4),
+        target=args.target, draft=args.draft or "", drafter=drafter_of(args), gamma=getattr(args, "gamma", 4),
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, chat=args.chat, dtype=args.dtype, device=args.device, ngram=args.ngram, alpha=args.alpha,
         adaptive=args.adaptive, compile=args.compile, backend=args.backend,
@@ -453,8 +457,8 @@ def cmd_doctor(args) -> int:
 
         from engine.settings import Settings
 
-        drafter = args.drafter or ("draft-model" if args.draft else "prompt-lookup")
-        s = Settings(backend="llama.cpp", target=args.target, drafter=drafter, draft=args.draft or "", dtype=args.dtype)
+        s = Settings(backend="llama.cpp", target=args.target, drafter=drafter_of(args), draft=args.draft or "",
+                     dtype=args.dtype)  # fmt: skip
         report = llamacpp.doctor(s, say)
     else:
         report = diagnose(args.target, args.draft, args.dtype, args.device, args.tokens, head=args.drafter in HEADS)

@@ -439,7 +439,7 @@ def test_the_pays_table_gives_the_mean_accepted_length_and_proposes_the_gamma_me
             one = {"median": (speedups or {}).get(gamma, 1.0)}
             cells.append({"drafter": drafter, "gamma": gamma, "speedup": one, "acceptance_rate": one,
                           "mean_accepted_length": {"median": sorted(lengths)[1]}, "all_identical": True,
-                          "by_category": {}})  # fmt: skip
+                          "lossless": "identical", "by_category": {}})  # fmt: skip
             samples += [{"cell": i, "mean_accepted_length": v} for v in lengths]
         return {"cells": cells, "samples": samples, "fits": [], "prompt_set": {"ids": ["a", "b", "c"]}}
 
@@ -556,8 +556,9 @@ def test_a_head_forged_for_a_bfloat16_target_is_judged_lossless_and_identical_in
     from app.forge_panel import pays_rows
     from engine.compare import compare
     from engine.forge import ForgeConfig, forge
-    from engine.forge.pays import LOSSLESS, worst_verdict
+    from engine.forge.pays import LOSSLESS
     from engine.measure import promptsets
+    from engine.measure.bench import worst
     from engine.settings import Settings
 
     folder, prompts = _target(model_dirs), _prompts(tmp_path)
@@ -571,7 +572,7 @@ def test_a_head_forged_for_a_bfloat16_target_is_judged_lossless_and_identical_in
     rows = summary["pays"]["rows"]
     mine = [r for r in rows if r["drafter"] == "eagle3"]
     assert mine and all(r["lossless"] in ("identical", "rounding", "unjudged") for r in rows), rows
-    assert summary["pays"]["verdict"].endswith(LOSSLESS.get(worst_verdict(mine), "."))
+    assert summary["pays"]["verdict"].endswith(LOSSLESS.get(worst(r["lossless"] for r in mine), "."))
     assert [row[6] for row in pays_rows(summary["pays"])] == [r["lossless"] for r in rows]
     held = promptsets.read_file(out / "held-out.jsonl").items
     for item in held[:3]:

@@ -156,14 +156,12 @@ def card(s: dict) -> str:
         lines.append(f"- proposed gamma {rec['gamma']} on this machine: predicted {rec['predicted_speedup']:.2f}x "
                      f"(head step {rec['c']:.3f} of a target pass)")  # fmt: skip
     if pays:
-        from engine.forge.pays import lossless_of
-
         lines += ["", "## Does it pay (held-out prompts, greedy, measured)", "",
                   _row(["drafter", "gamma", "speedup (median)", "predicted", "accepted length", "lossless"]),
                   _row(["---"] * 6)]  # fmt: skip
         for r in pays["rows"]:
             lines.append(_row([r["drafter"], r["gamma"], _x(r["speedup"]), _x(r.get("predicted")),
-                               _f(r["mean_accepted_length"]), lossless_of(r)]))  # fmt: skip
+                               _f(r["mean_accepted_length"]), r["lossless"] or "-"]))  # fmt: skip
         lines += ["", pays["verdict"]]
     lines += ["", "## Use", "", f"- SpecArena: `python -m engine run --target {s['target']} --drafter eagle3 "
               "--draft THIS_FOLDER --prompt ...`", "- vLLM: `vllm serve TARGET --speculative-config "

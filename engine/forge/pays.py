@@ -127,25 +127,14 @@ LOSSLESS = {
 }
 
 
-def lossless_of(row: dict) -> str:
-    """A row's greedy verdict, its worst pair's, as the Lab's sweep shows it: identical, rounding (16-bit), unjudged,
-    differs; a table written before the verdict was kept says identical or differs."""
-    return row.get("lossless") or {True: "identical", False: "differs"}.get(row.get("identical"), "-")
-
-
-def worst_verdict(rows: list[dict]) -> str | None:
-    from engine.measure.bench import VERDICTS
-
-    kinds = [lossless_of(r) for r in rows if lossless_of(r) in VERDICTS]
-    return max(kinds, key=VERDICTS.index) if kinds else None
-
-
 def summarise(head: dict, others: dict, predicted_gamma: int | None) -> dict:
     """The table: per drafter and gamma the median speedup over the prompts and the mean accepted length per verify
     pass (a median of a few 64-token answers read 63/46 at gamma 2, 3 and 4 alike). "recommended" is the head's row
     measured fastest: the draft length the head's config, card and "use this head" then propose. The gamma the
     validation answers predicted best (`predicted_gamma`) is a forecast from teacher-forced acceptance, which reads
     high against a served head (bundled model: 2 predicted, 1 measured best, 1.03x against 0.97x)."""
+    from engine.measure.bench import worst
+
     fits = {f["drafter"]: f for f in head["fits"] + others["fits"]}
     rows = []
     for data in (head, others):
@@ -156,7 +145,7 @@ def summarise(head: dict, others: dict, predicted_gamma: int | None) -> dict:
                          "speedup": cell["speedup"]["median"], "predicted": predicted,
                          "mean_accepted_length": _mean(data["samples"], i, "mean_accepted_length"),
                          "acceptance_rate": cell["acceptance_rate"]["median"], "identical": cell["all_identical"],
-                         "lossless": cell.get("lossless"),
+                         "lossless": cell["lossless"],  # its worst pair's: identical, rounding, unjudged, differs
                          "by_category": {k: v["speedup"]["median"]
                                          for k, v in cell["by_category"].items()}})  # fmt: skip
     rows.append({"drafter": "target alone", "gamma": 0, "speedup": 1.0, "predicted": 1.0, "mean_accepted_length": 1.0,
@@ -173,7 +162,7 @@ def summarise(head: dict, others: dict, predicted_gamma: int | None) -> dict:
     if forecast is not None and forecast is not best:
         verdict += (f"; the validation answers predicted gamma {predicted_gamma} best, measured "
                     f"{forecast['speedup']:.2f}x")  # fmt: skip
-    verdict += LOSSLESS.get(worst_verdict(mine), ".")
+    verdict += LOSSLESS.get(worst(r["lossless"] for r in mine), ".")
     return {"rows": rows, "verdict": verdict, "head_fit": fits.get("eagle3"), "recommended": best,
             "predicted_gamma": predicted_gamma, "prompts": head["prompt_set"]["ids"]}  # fmt: skip
 

@@ -106,11 +106,17 @@ def _all_identical(samples: list[Sample]) -> bool | None:
 VERDICTS = ("identical", "rounding", "unjudged", "differs")  # from best to worst
 
 
+def worst(kinds) -> str | None:
+    """The worst of some lossless verdicts (VERDICTS; None and anything else, a sampled pair's, are skipped), None
+    when there are none."""
+    kinds = [k for k in kinds if k in VERDICTS]
+    return max(kinds, key=VERDICTS.index) if kinds else None
+
+
 def worst_verdict(samples: list[Sample]) -> str | None:
     """Greedy pairs: the worst lossless verdict among them (a cell is as good as its worst pair); None when
     sampled."""
-    kinds = [s.lossless for s in samples if s.lossless is not None]
-    return max(kinds, key=VERDICTS.index) if kinds else None
+    return worst(s.lossless for s in samples)
 
 
 def _stats(samples: list[Sample]) -> dict:
