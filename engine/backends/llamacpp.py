@@ -224,6 +224,11 @@ def check_vocab(target: Path, draft: Path) -> None:
 # --- the backend ----------------------------------------------------------------------------------------
 
 
+def converted_dir() -> Path:
+    """Where model_gguf keeps the GGUFs it converts (a model found there is one of them)."""
+    return cache_dir() / "models-gguf"
+
+
 def model_gguf(spec: str, dtype: str, progress=lambda message: None, convert: bool = True) -> Path:
     """The GGUF file llama-server runs for a model spec. A .gguf runs as it is (the bundled model as it ships, under
     dtype auto: its Q4_1). A transformers folder, or the bundled model under an explicit dtype, is converted once by
@@ -242,7 +247,7 @@ def model_gguf(spec: str, dtype: str, progress=lambda message: None, convert: bo
             return gguf_path(spec, progress)
     outtype = OUTTYPES[dtype]
     digest = files_digest([folder], f"b{BUILD} {outtype}")
-    out = cache_dir() / "models-gguf" / f"{folder.name}-{digest[:16]}-{outtype}.gguf"
+    out = converted_dir() / f"{folder.name}-{digest[:16]}-{outtype}.gguf"
     if convert and not out.is_file():
         progress(f"converting {folder.name} to GGUF ({outtype}) with llama.cpp's converter, once")
         to_gguf(folder, out.with_suffix(".part"), outtype, progress=progress, what=str(folder), field="target")
@@ -257,7 +262,7 @@ def doctor(s: Settings, progress=lambda message: None) -> dict:
     from engine.models.doctor import diagnose_gguf, with_head
 
     draft = s.draft if s.drafter == "draft-model" and s.draft.strip() else None
-    converted = model_gguf(s.target, s.dtype, convert=False).parent == cache_dir() / "models-gguf"
+    converted = model_gguf(s.target, s.dtype, convert=False).parent == converted_dir()
     report = diagnose_gguf(s.target, draft, lambda spec: model_gguf(spec, s.dtype, progress),
                            weights=f"{OUTTYPES[s.dtype]}, converted" if converted else STORED)  # fmt: skip
     if not s.uses_head:
@@ -390,7 +395,7 @@ class LlamaCpp:
             self.urls[role] = servers[keys[role]].url
             self.commands[role] = servers[keys[role]].command
         self.model, self.build = str(model), f"b{number}" if number else line
-        converted = model.parent == cache_dir() / "models-gguf"
+        converted = model.parent == converted_dir()
         self.weights = f"{OUTTYPES[s.dtype]}, converted by llama.cpp's converter" if converted else STORED
         self.config = {"remote": False, "spec_flags": flags["speculative"], "binary": str(path)}
         self.serving = (str(model), json.dumps(flags["speculative"]))
