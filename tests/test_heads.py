@@ -228,6 +228,23 @@ def test_cli_runs_a_head_lossless_and_the_doctor_checks_it(head_dirs, kind, caps
     assert f"{kind} head" in out and "reading target layers" in out
 
 
+def test_the_doctor_counts_a_heads_weights_in_its_memory_check(head_dirs, monkeypatch):
+    """A head's weights load beside the target's: the memory check counts them (it once counted the target alone)."""
+    from engine.models.doctor import diagnose
+
+    alone = diagnose(head_dirs["target"], dtype="float32", device="cpu")
+    report = diagnose(head_dirs["target"], head_dirs["eagle3"], "float32", "cpu", head=True)
+    parts = dict(report["memory"]["parts"])
+    assert parts["head"] == report["params"]["draft"] * 4 > 0
+    assert "+ head " in next(c for c in report["checks"] if c["name"] == "memory")["detail"]
+    # just enough memory for the target alone: the head tips it over
+    need = sum(size for _, size in alone["memory"]["parts"])
+    monkeypatch.setattr("engine.models.sizing.free_memory_bytes", lambda device: need / 0.8 + 1)
+    for head, status in ((None, "ok"), (head_dirs["eagle3"], "warn")):
+        checks = diagnose(head_dirs["target"], head, "float32", "cpu", head=bool(head))["checks"]
+        assert next(c for c in checks if c["name"] == "memory")["status"] == status
+
+
 def test_cli_head_errors_are_one_line(head_dirs, model_dirs, capsys):
     from engine.__main__ import main
 

@@ -174,3 +174,4 @@ def test_the_llama_cpp_pair_doctor_checks_a_head_against_the_target_its_converte
     assert out.startswith("Pair check: ok (f32, converted on llama.cpp)"), out
     assert "eagle3 head (speculators-eagle3 layout) reading target layers [2, 15, 27]" in out
     assert "verifier: the head was trained for" in out and "expect lower acceptance" not in out
+    assert "target GGUF x 2 servers " in out and " + head " in out  # the head's weights are counted, once

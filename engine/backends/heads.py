@@ -56,6 +56,7 @@ def served_head(s: Settings, progress=lambda message: None, target: str = "") ->
 
 # What llama.cpp's converter writes from each dtype the settings name (its --outtype); "auto" is float32 on a CPU.
 OUTTYPES = {"auto": "f32", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+WIDTHS = {"f32": 4, "bf16": 2, "f16": 2}  # bytes a weight in each
 RECIPE = 1  # how a head's GGUF is made (the staged config below); a GGUF cached by another recipe is made again
 # llama.cpp's converter run with our interpreter. Its Llama vocabulary path imports sentencepiece before it looks for
 # a tokenizer.model; targets without one (a tokenizer.json, as SmolLM2 and Llama 3 ship) never use it, so where the

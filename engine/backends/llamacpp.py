@@ -33,7 +33,7 @@ import urllib.request
 from pathlib import Path
 from typing import Generator, Iterator
 
-from engine.backends.heads import OUTTYPES, files_digest, head_gguf, to_gguf
+from engine.backends.heads import OUTTYPES, WIDTHS, files_digest, head_gguf, to_gguf
 from engine.backends.llamacpp_source import BUILD, SDIST, save_converter, unpack_sources
 from engine.backends.servers import POOL, Server, failure, free_port, http_json, remote_urls, sse
 from engine.decoding.metrics import StepEvent
@@ -273,7 +273,8 @@ def doctor(s: Settings, progress=lambda message: None) -> dict:
     from engine.models.heads import doctor_checks
 
     target = converter_target(s, progress)
-    return with_head(report, s.draft, *doctor_checks(s.draft, str(target), AutoConfig.from_pretrained(target)))
+    found, params = doctor_checks(s.draft, str(target), AutoConfig.from_pretrained(target))
+    return with_head(report, s.draft, found, params, width=WIDTHS[OUTTYPES[s.dtype]])  # the head's GGUF (head_gguf)
 
 
 def threads() -> int:

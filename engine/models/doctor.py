@@ -111,17 +111,11 @@ def diagnose(target: str, draft: str | None = None, dtype: str = "auto", device:
         )
         checks.append(Check("size ratio", status, f"target/draft = {ratio:.1f}x parameters; {advice}"))
     width = torch.finfo(dt).bits // 8
-    weights = sum(params.values()) * width
     kv = sum(kv_bytes_per_token(cfg, dt) for cfg in configs.values()) * tokens
-    free = sizing.free_memory_bytes(dev)
-    need = weights + kv
-    gib = 1024**3
-    status = "ok" if need < 0.8 * free else "warn" if need < free else "fail"
-    detail = (f"weights {weights / gib:.2f} GiB + KV cache {kv / gib:.2f} GiB for {tokens} tokens "
-              f"= {need / gib:.2f} GiB of {free / gib:.1f} GiB free on {dev}")  # fmt: skip
-    if status == "fail":
-        detail += ": choose a smaller dtype (bfloat16/float16), fewer tokens, or a smaller pair"
-    checks.append(Check("memory", status, detail))
+    memory = {"parts": [["weights", sum(params.values()) * width], [f"KV cache for {tokens} tokens", kv]],
+              "free": sizing.free_memory_bytes(dev), "where": str(dev), "width": width, "worst": "fail",
+              "advice": "choose a smaller dtype (bfloat16/float16), fewer tokens, or a smaller pair"}  # fmt: skip
+    checks.append(memory_check(memory))
     worst = max((c.status for c in checks), key=RANK.get)
     return {
         "target": target,
@@ -131,7 +125,21 @@ def diagnose(target: str, draft: str | None = None, dtype: str = "auto", device:
         "params": params,
         "verdict": {"ok": "ok", "note": "ok", "warn": "warn", "fail": "fail"}[worst],
         "checks": [asdict(c) for c in checks],
+        "memory": memory,
     }
+
+
+def memory_check(m: dict) -> Check:
+    """What the weights and caches need (m["parts"]: name, bytes) against the free memory: ok below 80% of it, else
+    `worst` (fail where the pair cannot load; llama.cpp pages its files in, so it only warns)."""
+    gib = 1024**3
+    need = sum(size for _, size in m["parts"])
+    parts = " + ".join(f"{name} {size / gib:.2f} GiB" for name, size in m["parts"])
+    status = "ok" if need < 0.8 * m["free"] else "warn" if need < m["free"] or m["worst"] == "warn" else "fail"
+    detail = f"{parts} = {need / gib:.2f} GiB of {m['free'] / gib:.1f} GiB free on {m['where']}"
+    if status == "fail":
+        detail += f": {m['advice']}"
+    return Check("memory", status, detail)
 
 
 def _diagnose_head(target: str, head: str, dtype: str, device: str, tokens: int) -> dict:
@@ -142,11 +150,16 @@ def _diagnose_head(target: str, head: str, dtype: str, device: str, tokens: int)
     return with_head(report, head, *doctor_checks(head, target, _config(target)))
 
 
-def with_head(report: dict, head: str, found: list[tuple[str, str, str]], params: int) -> dict:
-    """A target's report with a head's checks (engine.models.heads.doctor_checks) added, and the verdict again."""
-    checks = [Check(**c) for c in report["checks"]] + [Check(*c) for c in found]
+def with_head(report: dict, head: str, found: list[tuple[str, str, str]], params: int,
+              width: float | None = None) -> dict:  # fmt: skip
+    """A target's report with a head's checks (engine.models.heads.doctor_checks) added, its weights (`width` bytes a
+    parameter, the target's by default) counted in the memory check, and the verdict again."""
+    m = report["memory"]
+    memory = m | {"parts": m["parts"][:1] + [["head", params * (width or m["width"])]] + m["parts"][1:]}
+    checks = [memory_check(memory) if c["name"] == "memory" else Check(**c) for c in report["checks"]]
+    checks += [Check(*c) for c in found]
     worst = max((c.status for c in checks), key=RANK.get)
-    return report | {"draft": head, "params": report["params"] | {"draft": params},
+    return report | {"draft": head, "params": report["params"] | {"draft": params}, "memory": memory,
                      "verdict": {"ok": "ok", "note": "ok", "warn": "warn", "fail": "fail"}[worst],
                      "checks": [asdict(c) for c in checks]}  # fmt: skip
 
@@ -213,16 +226,17 @@ def diagnose_gguf(target: str, draft: str | None = None, path=None, weights: str
                             "below ~4x drafting costs about as much as it saves"))  # fmt: skip
     contexts = {role: f["context"] for role, f in facts.items()}
     checks.append(Check("context length", "ok", ", ".join(f"{r} {c or 'unknown'}" for r, c in contexts.items())))
-    size = sum(f["bytes"] for f in facts.values())
-    free = free_memory_bytes(torch.device("cpu"))
-    status = "ok" if 2 * size < 0.8 * free else "warn"  # baseline and speculative servers each map the files
-    checks.append(Check("memory", status, f"GGUF files {size / 2**30:.2f} GiB, twice (two servers), of "
-                        f"{free / 2**30:.1f} GiB free"))  # fmt: skip
+    # the baseline and speculative servers each map the target's file, the speculative one the draft's
+    t = facts["target"]
+    parts = [["target GGUF x 2 servers", 2 * t["bytes"]]] + ([["draft GGUF", facts["draft"]["bytes"]]] if draft else [])
+    memory = {"parts": parts, "free": free_memory_bytes(torch.device("cpu")), "where": "this machine",
+              "width": t["bytes"] / max(t["params"], 1), "worst": "warn", "advice": ""}  # fmt: skip
+    checks.append(memory_check(memory))
     worst = max((c.status for c in checks), key=RANK.get)
     return {"target": target, "draft": draft, "dtype": weights, "device": "llama.cpp",
             "params": {role: f["params"] for role, f in facts.items()},
             "verdict": {"ok": "ok", "note": "ok", "warn": "warn", "fail": "fail"}[worst],
-            "checks": [asdict(c) for c in checks]}  # fmt: skip
+            "checks": [asdict(c) for c in checks], "memory": memory}  # fmt: skip
 
 
 def markdown(report: dict) -> str:
