@@ -429,10 +429,8 @@ def wire(f: SimpleNamespace, lab: SimpleNamespace, play: SimpleNamespace) -> Non
     for component in shared[:3]:
         component.change(describe_prompts, inputs=shared[:3], outputs=[f.prompts], queue=False,
                          api_visibility="private")  # fmt: skip
-    from app.layout import UNMARK
+    from app.layout import unmark_when_edited
 
     for name, component in [*((n, getattr(f, n.removeprefix("forge_"))) for n in FIELDS),
                             *((n, getattr(lab, n)) for n in SHARED)]:  # fmt: skip
-        edited = component.upload if isinstance(component, gr.File) else component.input
-        edited(None, [f.form_error, f.status], [f.form_error, f.status],
-               js=UNMARK.replace("data-field=\"NAME\"", f"data-where=\"{field_id(name)}\""))  # fmt: skip
+        unmark_when_edited(component, f.form_error, f.status, f'data-where="{field_id(name)}"')

@@ -451,13 +451,11 @@ def wire(ui: SimpleNamespace, play: SimpleNamespace) -> None:
     prompt_sets.wire(ui.prompt_set, ui.categories)
     forge_panel.wire(ui.forge, ui, play)
     # editing the marked field takes its mark away (the Lab's own fields, and the sidebar's it may mark)
-    from app.layout import UNMARK
+    from app.layout import unmark_when_edited
 
     for name, component in [*((field_id(n), getattr(ui, n)) for n in LAB_FIELDS),
                             *((render.field_id(n), c) for n, c in play.form.items())]:  # fmt: skip
-        edited = component.upload if isinstance(component, gr.File) else component.input  # a file has no input
-        edited(None, [ui.form_error, ui.status], [ui.form_error, ui.status],
-               js=UNMARK.replace("data-field=\"NAME\"", f"data-where=\"{name}\""))  # fmt: skip
+        unmark_when_edited(component, ui.form_error, ui.status, f'data-where="{name}"')
     # what the sweep will use, kept in step with the Playground's fields
     ui.uses.value = show_uses(**{name: component.value for name, component in play.form.items()})
     for component in play.form.values():

@@ -47,7 +47,7 @@ def test_compare_endpoint_returns_both_texts_and_consistent_metrics(client):
         (dict(gamma=0), "gamma 0 is out of range: use a whole number from 1 to 16. (field: gamma)"),
         (dict(max_new_tokens=100000), "max new tokens 100000 is out of range: use 1 to 2048. (field: max_new_tokens)"),
         (dict(drafter="bogus"), "drafter 'bogus' is unknown"),
-        (dict(drafter="draft-model"), "draft model is empty"),
+        (dict(drafter="draft-model"), "draft model or head is empty"),
         (dict(target="/etc"), "does not read local folders"),
         (dict(top_p=7), "top-p 7.0 is out of range"),
     ],

@@ -103,7 +103,7 @@ def test_history_accumulates_across_runs(model_dirs):
         (dict(max_new_tokens=100000), "max_new_tokens", "max new tokens 100000 is out of range"),
         (dict(drafter="bogus"), "drafter", "'bogus' is unknown"),
         (dict(target="/no/such/dir"), "target", "operator's models folder"),
-        (dict(draft=""), "draft", "draft model is empty"),
+        (dict(draft=""), "draft", "draft model or head is empty"),
         (dict(alpha="lots"), "alpha", "is not a number"),
     ],
 )

@@ -60,7 +60,7 @@ def test_cli_prints_a_readable_summary(model_dirs, capsys):
         (["--prompt", "hi", "--temperature", "3"], "temperature 3.0 is out of range"),
         (["--prompt", "hi", "--top-p", "0"], "top-p 0.0 is out of range"),
         (["--prompt", "hi", "--max-new-tokens", "0"], "max new tokens 0 is out of range"),
-        (["--prompt", "hi", "--drafter", "draft-model"], "draft model is empty"),
+        (["--prompt", "hi", "--drafter", "draft-model"], "draft model or head is empty"),
         (["--prompt", "hi", "--compile", "--device", "cpu"], "compile needs a CUDA GPU"),
         (["--prompt", "hi " * 300, "--max-new-tokens", "10"], "more than the context of 256 tokens"),
     ],
