@@ -435,9 +435,9 @@ def check_pair(**form):
         if s.backend == "llama.cpp":
             from engine.backends import llamacpp
 
-            return render.text_marks(markdown(llamacpp.doctor(s)))
+            return render.text_marks(markdown(llamacpp.doctor(s, gamma=s.gamma)))
         return render.text_marks(markdown(diagnose(s.target, draft, s.dtype, tokens=s.max_new_tokens + 1024,
-                                                   head=s.uses_head)))  # fmt: skip
+                                                   head=s.uses_head, gamma=s.gamma)))  # fmt: skip
     except UserError as exc:
         return render.text_marks(f"❌ {exc}")
     except Exception as exc:  # noqa: BLE001 - a broken config must not take the app down

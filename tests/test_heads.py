@@ -5,6 +5,7 @@ pass, sampled marginals exact, the head's cache in step with rollbacks, and clea
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -245,6 +246,25 @@ def test_the_doctor_counts_a_heads_weights_in_its_memory_check(head_dirs, monkey
         assert next(c for c in checks if c["name"] == "memory")["status"] == status
 
 
+def test_the_pair_check_says_when_a_run_drafts_another_length_than_the_head_proposes(head_dirs, monkeypatch):
+    """A head's config proposes a draft length (a forged head: the one measured fastest); γ 4 by habit with a head
+    made for 2 ran at 0.64x where 2 pays. The page's pair check says so, with the run's γ beside it."""
+    from app.handlers import API_FIELDS, check_pair
+    from engine.models.doctor import diagnose
+    from engine.settings import Settings
+
+    def length(gamma):
+        report = diagnose(head_dirs["target"], head_dirs["eagle3"], "float32", "cpu", head=True, gamma=gamma)
+        return next(c for c in report["checks"] if c["name"] == "draft length")
+
+    assert length(None)["status"] == length(3)["status"] == "ok" and "proposes γ 3" in length(3)["detail"]
+    assert length(5)["status"] == "note" and "this run drafts γ 5: set γ to 3" in length(5)["detail"]
+    monkeypatch.setenv("SPECARENA_MODELS_DIR", str(Path(head_dirs["target"]).parent))  # the app reads the folders
+    form = {name: getattr(Settings(), name) for name in API_FIELDS if name != "prompt"}
+    report = check_pair(**form | dict(target=head_dirs["target"], drafter="eagle3", draft=head_dirs["eagle3"], gamma=5))
+    assert "ℹ **draft length**" in report and "set γ to 3" in report, report
+
+
 def test_cli_head_errors_are_one_line(head_dirs, model_dirs, capsys):
     from engine.__main__ import main
 
@@ -285,4 +305,5 @@ def test_the_doctor_knows_the_bundled_model_under_each_of_its_names(target, tmp_
         found, _ = doctor_checks(str(folder), spec, target.config)
         assert ("verifier", "ok", "the head was trained for bundled") in found, (spec, found)
     found, _ = doctor_checks(str(folder), "meta-llama/Llama-3.2-1B", target.config)
-    assert found[-1][:2] == ("verifier", "warn") and "expect lower acceptance" in found[-1][2]
+    verifier = next(f for f in found if f[0] == "verifier")
+    assert verifier[1] == "warn" and "expect lower acceptance" in verifier[2]

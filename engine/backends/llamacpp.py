@@ -255,10 +255,10 @@ def model_gguf(spec: str, dtype: str, progress=lambda message: None, convert: bo
     return out
 
 
-def doctor(s: Settings, progress=lambda message: None) -> dict:
+def doctor(s: Settings, progress=lambda message: None, gamma: int | None = None) -> dict:
     """The pair doctor on llama.cpp: the GGUF files the servers would run (engine.models.doctor.diagnose_gguf); a head
     is checked as on the other backends, against the target's Hugging Face config that llama.cpp's converter reads
-    beside it (engine.backends.heads.converter_target)."""
+    beside it (engine.backends.heads.converter_target), and against the run's `gamma` where given."""
     from engine.models.doctor import diagnose_gguf, with_head
 
     draft = s.draft if s.drafter == "draft-model" and s.draft.strip() else None
@@ -273,7 +273,7 @@ def doctor(s: Settings, progress=lambda message: None) -> dict:
     from engine.models.heads import doctor_checks
 
     target = converter_target(s, progress)
-    found, params = doctor_checks(s.draft, str(target), AutoConfig.from_pretrained(target))
+    found, params = doctor_checks(s.draft, str(target), AutoConfig.from_pretrained(target), gamma)
     return with_head(report, s.draft, found, params, width=WIDTHS[OUTTYPES[s.dtype]])  # the head's GGUF (head_gguf)
 
 

@@ -62,6 +62,7 @@ class HeadConfig:
     block_size: int = 0  # DFlash: tokens per block, the first being the last verified token
     mask_token_id: int = 0  # DFlash: the token that fills the block after it
     verifier: str = ""  # the target the head was trained for, where its config says
+    proposed_gamma: int = 0  # the draft length its config proposes (speculators' speculative_tokens), 0: none
     layout: str = ""  # the layout it was read from: eagle3-original | speculators-eagle3 | dflash | speculators-dflash
 
     @property

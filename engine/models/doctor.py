@@ -84,11 +84,12 @@ def tokenizer_checks(target_tok, draft_tok) -> list[Check]:
 
 
 def diagnose(target: str, draft: str | None = None, dtype: str = "auto", device: str = "auto",
-             tokens: int = 2048, head: bool = False) -> dict:  # fmt: skip
+             tokens: int = 2048, head: bool = False, gamma: int | None = None) -> dict:  # fmt: skip
     """All checks for a pair (or a target alone); `tokens` sizes the KV cache (prompt + new tokens). With `head`,
-    the draft is a draft head (engine.models.heads) checked against the target's config."""
+    the draft is a draft head (engine.models.heads) checked against the target's config (and the run's `gamma`
+    against the draft length it proposes)."""
     if head and draft:
-        return _diagnose_head(target, draft, dtype, device, tokens)
+        return _diagnose_head(target, draft, dtype, device, tokens, gamma)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     specs = {"target": target} | ({"draft": draft} if draft else {})
@@ -142,12 +143,12 @@ def memory_check(m: dict) -> Check:
     return Check("memory", status, detail)
 
 
-def _diagnose_head(target: str, head: str, dtype: str, device: str, tokens: int) -> dict:
+def _diagnose_head(target: str, head: str, dtype: str, device: str, tokens: int, gamma: int | None = None) -> dict:
     """The target's checks, then the head's: its features, vocabulary and layers against the target's config."""
     from engine.models.heads import doctor_checks
 
     report = diagnose(target, None, dtype, device, tokens)
-    return with_head(report, head, *doctor_checks(head, target, _config(target)))
+    return with_head(report, head, *doctor_checks(head, target, _config(target), gamma))
 
 
 def with_head(report: dict, head: str, found: list[tuple[str, str, str]], params: int,

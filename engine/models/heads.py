@@ -122,6 +122,8 @@ def head_config(raw: dict, target_config) -> HeadConfig:
         block_size=int(raw.get("block_size") or dflash.get("block_size") or 0),
         mask_token_id=int(raw.get("mask_token_id") or dflash.get("mask_token_id") or 0),
         verifier=((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path") or "",
+        proposed_gamma=int(next(iter((raw.get("speculators_config") or {}).get("proposal_methods") or []),
+                                {}).get("speculative_tokens") or 0),
         layout=layout,
     )  # fmt: skip
 
@@ -148,9 +150,11 @@ def check(c: HeadConfig, target_config) -> list[str]:
     return problems
 
 
-def doctor_checks(spec: str, target_spec: str, target_config) -> tuple[list[tuple[str, str, str]], int]:
+def doctor_checks(spec: str, target_spec: str, target_config, gamma: int | None = None,
+                  ) -> tuple[list[tuple[str, str, str]], int]:  # fmt: skip
     """The pair doctor's checks of a head against a target, from the head's config.json alone (downloaded without its
-    weights): (name, status, detail) each, and the head's parameter count."""
+    weights): (name, status, detail) each, and the head's parameter count. With the run's `gamma`, a note where
+    the head proposes another draft length."""
     source = resolve(spec)
     folder = Path(hub_folder(source, weights=False) if source.repo_id else source.location)
     c = head_config(read_config(folder), target_config)
@@ -163,6 +167,13 @@ def doctor_checks(spec: str, target_spec: str, target_config) -> tuple[list[tupl
         if status != "ok":
             detail += f", not {target_spec}: expect lower acceptance"
         checks.append(("verifier", status, detail))
+    if c.proposed_gamma:
+        p = c.proposed_gamma
+        other = gamma is not None and gamma != p
+        detail = f"the head proposes γ {p} (its config: for a forged head, the draft length measured fastest)"
+        if other:
+            detail += f"; this run drafts γ {gamma}: set γ to {p}, or sweep both in the Lab"
+        checks.append(("draft length", "note" if other else "ok", detail))
     with torch.device("meta"):
         params = sum(p.numel() for p in Head(c).parameters())
     return checks, params + (c.draft_vocab_size or 0) * c.hidden_size * (c.kind == "eagle3")
