@@ -278,6 +278,12 @@ def test_cli_head_errors_are_one_line(head_dirs, model_dirs, capsys):
     assert main(["doctor", "--target", model_dirs["target"], "--drafter", "eagle3", "--draft",
                  head_dirs["eagle3"]]) == 1  # fmt: skip
     assert "the target has 2" in capsys.readouterr().out
+    # a head runs as what it is or not at all: the DFlash drafter once ran an EAGLE-3 head and called it DFlash
+    for kind, other, said in (("eagle3", "dflash", "is an EAGLE-3 head (speculators-eagle3 layout), not a DFlash"),
+                              ("dflash", "eagle3", "is a DFlash head (dflash layout), not an EAGLE-3")):  # fmt: skip
+        assert main(["run", "--target", head_dirs["target"], "--drafter", other, "--draft", head_dirs[kind],
+                     "--prompt", "hi", "--max-new-tokens", "4"]) == 2  # fmt: skip
+        assert said in capsys.readouterr().err
 
 
 def test_a_head_reads_the_output_layer_in_whatever_layout_the_cpu_path_keeps_it():

@@ -29,6 +29,16 @@ def target_folder(spec: str, progress=lambda message: None) -> str:
     return str(source.path) if source.path else loading.hub_folder(source, progress, weights=False)
 
 
+def same_kind(c: HeadConfig, s: Settings) -> None:
+    """An EAGLE-3 head is not run as DFlash, nor the other way round: the drafter picked is the one that runs."""
+    if c.kind != s.drafter:
+        def a(kind: str) -> str:
+            return ("an " if kind == "eagle3" else "a ") + HEAD_NAMES[kind]
+
+        raise UserError(f"{s.draft!r} is {a(c.kind)} ({c.layout} layout), not {a(s.drafter)}: pick the "
+                        f"{HEAD_NAMES[c.kind]} drafter.", field="drafter")  # fmt: skip
+
+
 def served_head(s: Settings, progress=lambda message: None, target: str = "") -> tuple[Path, HeadConfig]:
     """The head folder the settings name and what it is, once it is known to fit the drafter and the target (read
     from `target`, a folder with its config.json, or else from the settings' target)."""
@@ -39,10 +49,7 @@ def served_head(s: Settings, progress=lambda message: None, target: str = "") ->
     folder = head_folder(s.draft, progress)
     target = AutoConfig.from_pretrained(target or target_folder(s.target, progress))
     c = head_config(read_config(folder), target)
-    if c.kind != s.drafter:
-        raise UserError(f"{s.draft!r} is a {HEAD_NAMES[c.kind]} ({c.layout} layout) and the drafter is "
-                        f"{HEAD_NAMES[s.drafter]}: pick the {HEAD_NAMES[c.kind]} drafter.",
-                        field="drafter")  # fmt: skip
+    same_kind(c, s)
     problems = check(c, target)
     if problems:
         raise UserError(f"head {s.draft!r} does not fit the target {s.target}: {problems[0]}", field="draft")

@@ -90,11 +90,13 @@ class Transformers:
         yield Status("target " + target.describe())
         draft = head = None
         if s.uses_head:
+            from engine.backends.heads import same_kind
             from engine.models.heads import HEADS, describe
 
             yield Status(f"loading the {HEAD_NAMES[s.drafter]} {s.draft}")
             with blame("draft"):
                 head = yield from in_thread(lambda say: HEADS.get(s.draft, target.model, say))
+            same_kind(head.config, s)  # the head's kind, not the drafter picked, would decide what runs
             yield Status("head " + describe(head))
         elif s.uses_draft:
             yield Status(f"loading draft {s.draft}")
@@ -108,7 +110,7 @@ class Transformers:
     def serves(self, s: Settings) -> bool:
         """Whether runs with `s` need nothing this pair lacks (the draft is loaded when a cell first needs it)."""
         if s.uses_head:
-            return self.pair.head_spec == s.draft
+            return self.pair.head_spec == s.draft and self.pair.head.config.kind == s.drafter
         return not s.uses_draft or self.pair.draft is not None
 
     @staticmethod
