@@ -208,6 +208,8 @@ def plan(target, minutes, out, pays, categories, file=None, dataset="", seed="",
 def marked(exc: UserError) -> tuple[str, str]:
     """(status line, field mark): the message once, under the field at fault, as the Lab marks its own."""
     log.warning("forge refused: %s%s", exc, f" (field: {exc.field})" if exc.field else "")
+    if exc.field == "target":  # the forge's own name for it (its --target): here the forge's target box
+        exc.field = "forge_target"
     labels = FIELDS | SHARED
     if exc.field not in labels:
         return render.status_line(f"not started: {exc}", error=True), ""

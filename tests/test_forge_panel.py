@@ -132,6 +132,20 @@ def test_bad_fields_are_marked_under_themselves(panel, tmp_path, monkeypatch):
     assert "#lab-field-forge_out" in mark and "something other than a forge" in mark
 
 
+def test_a_target_that_cannot_be_loaded_is_marked_under_the_target(panel):
+    """The Hub's answer comes once the forge has started (loading the target): it is still the target's fault and
+    marked there, as on the Playground, not a bare status line."""
+    forge_panel, _, _ = panel
+    outputs = []
+    with pytest.raises(gr.Error) as err:
+        for out in forge_panel.run_forge("nobody-here/no-such-model", 5, "", False, ["code"], request=request("f5")):
+            outputs.append(out)
+    status, mark = plain(outputs[-1][forge_panel.OUTPUTS]), outputs[-1][forge_panel.OUTPUTS + 1]
+    assert len(outputs) > 1 and status == "failed: check target, as marked", status  # it had started
+    assert "#lab-field-forge_target" in mark
+    assert "no-such-model" in str(err.value) and "(field: forge_target)" in str(err.value)
+
+
 def test_the_options_reach_the_forge(panel):
     """The data passes' dtype, the general prompts and "measure on every prompt" are the command line's
     --data-dtype, --no-general and --held-out 1."""

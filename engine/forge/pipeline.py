@@ -31,6 +31,7 @@ from typing import Iterator
 
 import torch
 
+from engine.errors import blame
 from engine.forge import data as D
 from engine.forge import train as T
 
@@ -197,7 +198,8 @@ class Forge:
         said: list[str] = []
         # stock layers (pack=False): the forge reads the target's weights and runs batched passes, which the CPU
         # layouts of engine.models.cpu are not made for; the final measurement loads the engine's own form
-        self.loaded = MODELS.get(self.cfg.target, self.cfg.dtype, self.cfg.device, said.append, pack=False)
+        with blame("target"):  # a model that cannot be found or loaded is the target's fault, not the forge's
+            self.loaded = MODELS.get(self.cfg.target, self.cfg.dtype, self.cfg.device, said.append, pack=False)
         model = self.loaded.model
         text = model.config.get_text_config()
         from engine.models.heads import eagle3_layers
