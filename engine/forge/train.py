@@ -62,11 +62,14 @@ def draft_vocabulary(*counts: torch.Tensor, coverage: float = 0.97, least: int |
     """Sorted target ids of the draft vocabulary: for each of `counts` (hard and soft label counts, say) the most
     frequent ids until they hold `coverage` of it, together; then the most frequent of the first counts up to a
     multiple of 256 (32 for small vocabularies) and at least `least` ids (default: a quarter of the vocabulary up to
-    8192: a few minutes of data see too few distinct tokens to estimate the tail, and a missing token is a sure
-    rejection); at most `most`. Ids never counted come last, lowest first."""
+    4096: a few minutes of data see too few distinct tokens to estimate the tail, and a missing token is a sure
+    rejection; yet every row beyond what the labels need is read at every draft step and trained at every update:
+    on the bundled model's 30-minute data, the 5,120 ids that cover 97% of the labels trained 2,628 updates where a
+    floor of 8,192 trained 1,696 in the same time, and served 1.15x against 1.06x on the held-out prompts); at most
+    `most`. Ids never counted come last, lowest first."""
     vocab = counts[0].numel()
     multiple = 256 if vocab >= 16384 else 32
-    least = min(8192, vocab // 4) if least is None else least
+    least = min(4096, vocab // 4) if least is None else least
     chosen = set()
     for c in counts:
         chosen.update(_covering(c, coverage))
