@@ -184,6 +184,8 @@ def test_stop_in_either_run_is_reported_as_stopped_not_as_a_difference(page):
         assert "stopped" in page.inner_text(f"{pane} .sa-stats")
         if "baseline" in phase:  # the speculative run never starts after a stopped baseline
             assert "not started" in page.inner_text("#spec-pane .sa-stats")
+    # the history's row comes with the run's last update, a moment after the status says "stopped"
+    page.wait_for_function("() => document.querySelector('#history-table').innerText.split('stopped').length - 1 >= 2")
     assert page.inner_text("#history-table").count("stopped") == 2
     # the app is ready for the next run
     set_max_new_tokens(page, 12)
