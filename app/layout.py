@@ -169,6 +169,8 @@ def unmark_when_edited(component, form_error, status, mark: str) -> None:
     only, so a value pasted or dropped in left the message under a field already mended."""
     component.change(None, [form_error, status], [form_error, status], js=UNMARK.replace('data-field="NAME"', mark),
                      queue=False, api_visibility="private")  # fmt: skip
+
+
 # On a phone the sidebar would cover the page: it starts closed there (Gradio opens it everywhere or nowhere).
 CLOSE_ON_PHONES = """() => { if (window.innerWidth < 768) {
     const bar = document.querySelector('#settings');

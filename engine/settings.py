@@ -30,10 +30,10 @@ STRICT = ("auto", "on", "off")  # strict mode: every target pass at one width (e
 LABELS = {  # field -> the words a person sees next to it (messages use these)
     "prompt": "prompt", "target": "target model", "drafter": "drafter", "draft": "draft model or head",
     "gamma": "gamma", "max_new_tokens": "max new tokens", "temperature": "temperature", "top_p": "top-p",
-    "top_k": "top-k",
-    "seed": "seed", "chat": "chat template", "dtype": "dtype", "device": "device", "ngram": "n-gram size",
-    "alpha": "synthetic alpha", "adaptive": "adaptive gamma", "compile": "compile", "warmup": "warm-up",
-    "backend": "backend", "p_min": "draft confidence stop", "draft_min": "shortest draft", "strict": "strict mode",
+    "top_k": "top-k", "seed": "seed", "chat": "chat template", "dtype": "dtype", "device": "device",
+    "ngram": "n-gram size", "alpha": "synthetic alpha", "adaptive": "adaptive gamma", "compile": "compile",
+    "warmup": "warm-up", "backend": "backend", "p_min": "draft confidence stop", "draft_min": "shortest draft",
+    "strict": "strict mode",
 }  # fmt: skip
 
 

@@ -248,7 +248,7 @@ def test_the_doctor_counts_a_heads_weights_in_its_memory_check(head_dirs, monkey
 
 def test_the_pair_check_says_when_a_run_drafts_another_length_than_the_head_proposes(head_dirs, monkeypatch):
     """A head's config proposes a draft length (a forged head: the one measured fastest); γ 4 by habit with a head
-    made for 2 ran at 0.64x where 2 pays. The page's pair check says so, with the run's γ beside it."""
+    made for 1 ran at 0.64x. The page's pair check says so, with the run's γ beside it."""
     from app.handlers import API_FIELDS, check_pair
     from engine.models.doctor import diagnose
     from engine.settings import Settings

@@ -231,7 +231,7 @@ def diagnose_gguf(target: str, draft: str | None = None, path=None, weights: str
     t = facts["target"]
     parts = [["target GGUF x 2 servers", 2 * t["bytes"]]] + ([["draft GGUF", facts["draft"]["bytes"]]] if draft else [])
     memory = {"parts": parts, "free": free_memory_bytes(torch.device("cpu")), "where": "this machine",
-              "width": t["bytes"] / max(t["params"], 1), "worst": "warn", "advice": ""}  # fmt: skip
+              "worst": "warn", "advice": ""}  # a head's width is its GGUF's: with_head(width=...)
     checks.append(memory_check(memory))
     worst = max((c.status for c in checks), key=RANK.get)
     return {"target": target, "draft": draft, "dtype": weights, "device": "llama.cpp",
