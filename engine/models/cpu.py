@@ -55,8 +55,9 @@ PAD_ROWS = 17  # pass sizes timed (a decode step, verify passes of 1-16 draft to
 PAD_GAIN = 0.05  # padding must save this share of the pass, more than the timing noise
 FORM_GAIN = 0.05  # a form must save this share of a pass over stock layers to serve it
 # cached choices of an older version are measured again (4: the transposed form, per size; 5: timed in the lean
-# forward pass where it runs, engine.decoding.lean; 6: padding kept only where a second timing agrees)
-FORMS_VERSION = 6
+# forward pass where it runs, engine.decoding.lean; 6: padding kept only where a second timing agrees; 7: the lean
+# pass's verify attention reads shared keys and values in place, which makes multi-row passes cheaper)
+FORMS_VERSION = 7
 
 
 class CpuLinear(torch.nn.Module):
