@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -354,22 +356,65 @@ def test_linear_forms_follow_the_measurements_and_are_measured_once(llama_pair, 
     assert cpu.fitting_forms(model) == cpu.FORMS
     first = cpu.choose_forms(model, "tiny|float32", file, said.append)
     assert said and "timing" in said[0]
-    assert first["measured"] is not None and set(first["measured"]) == {"stock_s", "transposed_s", "packed_s"}
-    assert all(set(times) == set(range(1, cpu.PAD_ROWS + 1)) for times in first["measured"].values())
-    assert len(first["table"]) == cpu.PAD_ROWS + 1
-    assert first["linear_forms"] == cpu.describe(first["table"], first["pad"])
-    assert first["layers"] and all(set(layer.weights) == set(first["table"]) for layer in first["layers"])  # freed
+    measured = first["measured"]
+    assert measured is not None and set(measured) == {"stock_s", "transposed_s", "packed_s", "shapes_s"}
+    assert all(set(measured[f"{form}_s"]) == set(range(1, cpu.PAD_ROWS + 1)) for form in cpu.FORMS)
+    shapes = {layer.shape for layer in first["layers"]}
+    assert set(measured["shapes_s"]) == shapes and "384x64" in shapes  # each weight shape timed alone, the LM head's
+    assert len(first["table"]) == cpu.PAD_ROWS + 1 and set(first["groups"]) <= shapes
+    assert first["linear_forms"] == cpu.describe(first["table"], first["pad"], first["groups"])
+
+    def own_table(layer, chosen):
+        return chosen["groups"].get(layer.shape, chosen["table"])
+
+    assert first["layers"] and all(layer.table == own_table(layer, first) for layer in first["layers"])
+    assert all(set(layer.weights) == cpu.used(layer.table) for layer in first["layers"])  # forms no pass uses: freed
+    # recalled, with a shape that runs its own forms: its layers take them, the others the table
+    entry = json.loads(file.read_text())
+    [key] = entry
+    entry[key]["groups"] = {"384x64": ["stock"] + ["packed"] * cpu.PAD_ROWS}
+    file.write_text(json.dumps(entry))
     again, said = copy.deepcopy(llama_pair[0]), []
     second = cpu.choose_forms(again, "tiny|float32", file, said.append)
     assert second["measured"] is None and second["table"] == first["table"] and not said  # recalled, not re-measured
-    assert second["pad"] == first["pad"]
+    assert second["pad"] == first["pad"] and set(second["groups"]) == {"384x64"}
     layers = second["layers"]
-    assert layers and all(layer.table == first["table"] and layer.pad == first["pad"] for layer in layers)
-    assert all(set(layer.weights) == set(first["table"]) for layer in layers)  # only the forms used were made
+    assert layers and all(layer.table == own_table(layer, second) and layer.pad == first["pad"] for layer in layers)
+    assert again.lm_head.table[1:] == ("packed",) * cpu.PAD_ROWS and set(again.lm_head.weights) == {"packed"}
+    assert all(set(layer.weights) == cpu.used(layer.table) for layer in layers)  # only the forms used were made
     monkeypatch.setenv("SPECARENA_CPU_PACK", "0")
     plain = copy.deepcopy(llama_pair[0])
     assert cpu.choose_forms(plain, "tiny|float32", file)["layers"] == [] and cpu.fitting_forms(plain) == ()
     assert type(plain.lm_head) is torch.nn.Linear
+
+
+def test_weight_shapes_take_their_own_form_only_where_whole_passes_agree():
+    """As measured on the AMX Xeon (ms, the 30 layers' or the LM head's products alone): stock layers serve every
+    pass of 1-6 rows, yet from 4 rows the LM head runs far faster packed, and 576x576 transposed; 1536x576 packed
+    at 4 rows saves less than the margin. Whole passes then keep the shapes' forms only where they beat the table."""
+    from engine.models import cpu
+
+    table = ("stock",) * 7
+    times = {
+        "49152x576": {"stock": {1: 4.0, 3: 4.4, 4: 7.8, 5: 8.4}, "transposed": {1: 3.9, 3: 6.3, 4: 6.9, 5: 7.6},
+                      "packed": {1: 4.3, 3: 4.9, 4: 5.0, 5: 5.1}},
+        "576x576": {"stock": {1: 3.6, 3: 3.8, 4: 5.7, 5: 5.9}, "transposed": {1: 3.6, 3: 4.8, 4: 5.1, 5: 5.7},
+                    "packed": {1: 6.0, 3: 5.4, 4: 5.7, 5: 6.1}},
+        "1536x576": {"stock": {1: 8.1, 3: 10.8, 4: 12.2, 5: 12.9}, "transposed": {1: 8.0, 3: 13.5, 4: 15.0, 5: 16.4},
+                     "packed": {1: 10.7, 3: 11.2, 4: 12.4, 5: 12.6}},
+    }  # fmt: skip
+    groups = cpu._choose_shapes(times, table)
+    assert groups == {"49152x576": ("stock",) * 4 + ("packed",) * 2 + ("stock",),
+                      "576x576": ("stock",) * 4 + ("transposed",) + ("stock",) * 2}  # fmt: skip
+    # whole passes: the shapes' forms save 7% at 4 rows, 1% at 5 (inside GROUP_GAIN): only 4 keeps them
+    whole = {"table": {4: 40.0, 5: 41.0}, "own": {4: 37.2, 5: 40.6}}
+    kept = cpu._kept_shapes(groups, table, whole)
+    assert kept == {"49152x576": ("stock",) * 4 + ("packed",) + ("stock",) * 2,
+                    "576x576": ("stock",) * 4 + ("transposed",) + ("stock",) * 2}  # fmt: skip
+    assert cpu._kept_shapes(groups, table, {"table": {4: 40.0, 5: 41.0}, "own": {4: 39.9, 5: 41.5}}) == {}
+    assert cpu.describe(table, (), kept) == (
+        "stock nn.Linear for every pass; 2 weight shapes run a form of their own at 4 rows"
+    )
 
 
 def test_cpu_key_tells_apart_machines_of_one_name(monkeypatch):

@@ -35,6 +35,14 @@ thread that loaded the model, while the runs went on another, and on 2 cores a t
 however thin. Now loading, timing and runs share the engine thread, each size is timed best of 5 with the
 forms taking turns, and a form and padding must each save more than 5%.
 
+One form for every layer of a pass is not the best either: the layers' kernels change at different row counts. On the
+AMX Xeon stock layers won every pass of 1-6 rows, yet from 4 rows the LM head (49152 x 576) ran 7.8 ms stock against
+5.0 ms packed, and the 576 x 576 projections ran faster transposed. So after the table, each weight shape's layers
+are timed alone, all of them in a row as a pass meets them (their weights out of the caches), at each size in each
+form; a shape takes another form for a size where that saves FORM_GAIN of the shape's time, and the sizes where
+whole passes then run faster than with the table (by GROUP_GAIN, timed in turns) keep it: 4-row passes of the bundled
+model 1.41 one-token passes against 1.52, 9-row 1.69 against 1.79.
+
 SPECARENA_CPU_PACK: auto (default) measures; 1 packs every pass; 0 keeps stock layers. Float32 on CPU only;
 any failure leaves the model as it was.
 """
@@ -54,16 +62,18 @@ FORMS = ("stock", "transposed", "packed")  # stock first: what a form must beat,
 PAD_ROWS = 17  # pass sizes timed (a decode step, verify passes of 1-16 draft tokens); longer ones run as this
 PAD_GAIN = 0.05  # padding must save this share of the pass, more than the timing noise
 FORM_GAIN = 0.05  # a form must save this share of a pass over stock layers to serve it
+GROUP_GAIN = 0.02  # forms per weight shape must save this share of a whole pass over the table's, timed in turns
 # cached choices of an older version are measured again (4: the transposed form, per size; 5: timed in the lean
 # forward pass where it runs, engine.decoding.lean; 6: padding kept only where a second timing agrees; 7: the lean
-# pass's verify attention reads shared keys and values in place, which makes multi-row passes cheaper)
-FORMS_VERSION = 7
+# pass's verify attention reads shared keys and values in place, which makes multi-row passes cheaper; 8: forms per
+# weight shape)
+FORMS_VERSION = 8
 
 
 class CpuLinear(torch.nn.Module):
     """Inference-only stand-in for nn.Linear that holds the weight in several layouts (`FORMS`) and runs each
     pass in the one its size is given by `table` (table[n]: the form for a pass of n rows; longer passes take
-    the last). Forms that no pass uses are dropped (`keep_only`)."""
+    the last; each layer has its own, see `_measure`). Forms that no pass uses are dropped (`keep_only`)."""
 
     def __init__(self, linear: torch.nn.Linear, forms: tuple[str, ...] = FORMS):
         super().__init__()
@@ -99,12 +109,22 @@ class CpuLinear(torch.nn.Module):
         out = torch.ops.mkldnn._linear_pointwise(flat, weight, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    @property
+    def shape(self) -> str:
+        """The weight's shape, "out x in": the layers that share it run the same kernels."""
+        return f"{self.out_features}x{self.in_features}"
+
     def use(self, table: tuple[str, ...]) -> None:
         self.table = table
 
     def keep_only(self, table: tuple[str, ...]) -> None:
         self.table = table
-        self.weights = {form: w for form, w in self.weights.items() if form in table}
+        self.weights = {form: w for form, w in self.weights.items() if form in used(table)}
+
+
+def used(table: tuple[str, ...]) -> set[str]:
+    """The forms a table runs: table[0] stands for no pass (a pass has rows), unless it is the only entry."""
+    return set(table[1:] or table)
 
 
 def mode() -> str:
@@ -220,33 +240,50 @@ def _pad_table(times: dict[int, float]) -> tuple[int, ...]:
 NAMES = {"stock": "stock nn.Linear", "transposed": "transposed weights", "packed": "oneDNN-packed"}
 
 
-def describe(table: tuple[str, ...], pad: tuple[int, ...] = ()) -> str:
-    """The table in words: "stock nn.Linear for 1-3 rows, transposed weights from 4"."""
-    runs: list[list] = []  # [form, first rows, last rows]
+def _runs(table: tuple[str, ...]) -> list[list]:
+    """[form, first rows, last rows] for each stretch of pass sizes that run one form."""
+    runs: list[list] = []
     for n, form in enumerate(table[1:], 1):
         if runs and runs[-1][0] == form:
             runs[-1][2] = n
         else:
             runs.append([form, n, n])
+    return runs
+
+
+def _rows(first: int, last: int) -> str:
+    return f"{first}" + (f"-{last}" if last > first else "") + (" rows" if last > 1 else " row")
+
+
+def describe(table: tuple[str, ...], pad: tuple[int, ...] = (), groups: dict[str, tuple[str, ...]] | None = None):
+    """The table in words: "stock nn.Linear for 1-3 rows, transposed weights from 4", and where weight shapes run
+    forms of their own: "; 2 weight shapes run a form of their own at 4-17 rows" (cpu-forms.json says which)."""
+    runs = _runs(table)
     if len(runs) <= 1:
         text = f"{NAMES[table[-1]]} for every pass"
     else:
-        parts = [f"{NAMES[form]} for {first}" + (f"-{last}" if last > first else "") + (" rows" if last > 1 else " row")
-                 for form, first, last in runs[:-1]]  # fmt: skip
+        parts = [f"{NAMES[form]} for {_rows(first, last)}" for form, first, last in runs[:-1]]
         text = ", ".join(parts) + f", {NAMES[runs[-1][0]]} from {runs[-1][1]}"
+    groups = groups or {}
+    sizes = [n for own in groups.values() for n in range(1, len(own)) if own[n] != table[min(n, len(table) - 1)]]
+    if sizes:
+        text += f"; {len(groups)} weight shape{'s run' if len(groups) > 1 else ' runs'} a form of their own at "
+        text += f"{min(sizes)}-{max(sizes)} rows" if max(sizes) > min(sizes) else _rows(min(sizes), min(sizes))
     padded = [f"{n} as {m}" for n, m in enumerate(pad) if m != n]
     return text + (f"; passes of {', '.join(padded)} rows (cheaper)" if padded else "")
 
 
 # what a model whose linear layers keep their own form reports (another device or dtype, or no room for a copy)
-STOCK = {"layers": [], "table": ("stock",), "pad": (), "linear_forms": "stock nn.Linear", "measured": None}
+STOCK = {"layers": [], "table": ("stock",), "pad": (), "groups": {}, "linear_forms": "stock nn.Linear",
+         "measured": None}  # fmt: skip
 
 
 def choose_forms(model, key: str, cache_file: Path, progress=lambda message: None) -> dict:
     """Give the model's linear layers the form that is fastest for each pass size: measured here (saying so
     through `progress`) or recalled, and only the forms used are made. Returns {"layers", "table", "pad",
     "linear_forms", "measured"}: the CpuLinear layers ([] where the model keeps its own), the form per pass
-    size and the padding table, both in words, and the timings behind them (None when recalled)."""
+    size, the padding table, the weight shapes that run other forms at some sizes ({shape: table}), all of it in
+    words, and the timings behind them (None when recalled)."""
     forms = fitting_forms(model)
     if len(forms) <= 1:
         return STOCK
@@ -258,21 +295,24 @@ def choose_forms(model, key: str, cache_file: Path, progress=lambda message: Non
     measured = None
     if recalled is not None:
         table, pad = tuple(recalled["table"]), tuple(recalled["pad"])
-        layers = wrap_linears(model, tuple(form for form in forms if form in table))
+        groups = {shape: tuple(own) for shape, own in recalled.get("groups", {}).items()}
+        needed = used(table).union(*map(used, groups.values()))
+        layers = wrap_linears(model, tuple(form for form in forms if form in needed))
     else:
         layers = wrap_linears(model, forms)
         if layers:
             progress(f"timing this CPU's weight layouts at each pass size, once (~{_estimate(model, forms):.0f} s; "
                      "remembered for later loads)")  # fmt: skip
-            table, pad, measured = _measure(model, layers, forms)
-            entry = {"table": list(table), "pad": list(pad)}
+            table, pad, groups, measured = _measure(model, layers, forms)
+            entry = {"table": list(table), "pad": list(pad), "groups": {k: list(v) for k, v in groups.items()}}
             _write(cache_file, dict(list(known.items())[-255:]) | {key: entry})  # the latest 256 choices
     if not layers:
         return STOCK
     for layer in layers:
-        layer.keep_only(table)
+        layer.keep_only(groups.get(layer.shape, table))
         layer.pad = pad
-    return {"layers": layers, "table": table, "pad": pad, "linear_forms": describe(table, pad), "measured": measured}
+    return {"layers": layers, "table": table, "pad": pad, "groups": groups,
+            "linear_forms": describe(table, pad, groups), "measured": measured}  # fmt: skip
 
 
 def _estimate(model, forms: tuple[str, ...]) -> float:
@@ -283,22 +323,23 @@ def _estimate(model, forms: tuple[str, ...]) -> float:
     with torch.inference_mode():
         one = time_passes(model, (1, PAD_ROWS), repeats=1, warmup=0)
     passes = (1 + 5) * len(forms) * PAD_ROWS  # as _measure: a warm-up round and five timed, every form and size
-    return max(5.0, round(1.2 * passes * (one[1] + one[PAD_ROWS]) / 2 / 5) * 5)  # +20%: the padding's second look
+    passes += (1 + 3) * len(forms) * PAD_ROWS  # the weight shapes alone: about a pass's linears each
+    return max(5.0, round(1.3 * passes * (one[1] + one[PAD_ROWS]) / 2 / 5) * 5)  # +30%: the second looks
 
 
 def _measure(model, layers: list[CpuLinear], forms: tuple[str, ...]):
-    """Every pass size timed in every form (time_passes, the forms taking turns): the table, the padding and
-    the timings."""
+    """Every pass size timed in every form (time_passes, the forms taking turns), then each weight shape alone
+    (`_time_shapes`): the table, the padding, the shapes' own tables and the timings."""
     from engine.decoding.runtime import time_passes
 
     def use(form):
         return lambda: [layer.use((form,)) for layer in layers]
 
+    sizes = tuple(range(1, PAD_ROWS + 1))
     with torch.inference_mode():
-        times = time_passes(model, tuple(range(1, PAD_ROWS + 1)), repeats=5,
-                            variants={form: use(form) for form in forms})  # fmt: skip
+        times = time_passes(model, sizes, repeats=5, variants={form: use(form) for form in forms})
     table = _choose(times)
-    pad = _pad_table({n: times[table[n]][n] for n in range(1, PAD_ROWS + 1)})
+    pad = _pad_table({n: times[table[n]][n] for n in sizes})
     if pad:  # a second look, each size in its chosen form: one timing on a noisy machine decides little
         for layer in layers:
             layer.use(table)
@@ -306,7 +347,81 @@ def _measure(model, layers: list[CpuLinear], forms: tuple[str, ...]):
             involved = {size for n, m in enumerate(pad) if m != n for size in (n, m)}
             again = time_passes(model, tuple(sorted(involved)), 5)
         pad = _confirmed(pad, again)
-    return table, pad, {f"{form}_s": times[form] for form in forms}
+    by_shape: dict[str, list[CpuLinear]] = {}
+    for layer in layers:
+        by_shape.setdefault(layer.shape, []).append(layer)
+    unpadded = tuple(n for n in sizes if not pad or pad[n] == n)  # a padded size runs as another
+    with torch.inference_mode():
+        shape_times = _time_shapes(by_shape, forms, unpadded)
+    groups = _choose_shapes(shape_times, table)
+    if groups:  # whole passes decide: the shapes' own forms against the table's, in turns
+
+        def each_its_own():
+            for layer in layers:
+                layer.use(groups.get(layer.shape, table))
+
+        def the_table():
+            for layer in layers:
+                layer.use(table)
+
+        differ = tuple(n for n in unpadded if any(own[n] != table[n] for own in groups.values()))
+        with torch.inference_mode():
+            whole = time_passes(model, differ, 5, variants={"table": the_table, "own": each_its_own})
+        groups = _kept_shapes(groups, table, whole)
+    measured = {f"{form}_s": times[form] for form in forms}
+    measured["shapes_s"] = shape_times
+    return table, pad, groups, measured
+
+
+def _time_shapes(by_shape: dict[str, list[CpuLinear]], forms: tuple[str, ...], sizes: tuple[int, ...], repeats=3):
+    """{shape: {form: {rows: seconds}}}: every layer of a shape run one after the other on `rows` rows, as a pass
+    meets them (each reads its weights after the others have pushed them out of the caches), best of `repeats`
+    after a warm-up round, the shapes, sizes and forms taking turns."""
+    import time
+
+    best = {shape: {form: dict.fromkeys(sizes, float("inf")) for form in forms} for shape in by_shape}
+    for round_ in range(repeats + 1):
+        for n in sizes:
+            for shape, members in by_shape.items():
+                x = torch.randn(n, members[0].in_features, dtype=members[0].weights["stock"].dtype)
+                for form in forms:
+                    for layer in members:
+                        layer.use((form,))
+                    start = time.perf_counter()
+                    for layer in members:
+                        layer(x)
+                    took = time.perf_counter() - start
+                    if round_:
+                        best[shape][form][n] = min(best[shape][form][n], took)
+    return best
+
+
+def _choose_shapes(times: dict[str, dict[str, dict[int, float]]], table: tuple[str, ...]):
+    """{shape: its table} for the weight shapes where, at some size, another form than the table's saves more than
+    FORM_GAIN of the shape's own time (timed alone, `_time_shapes`)."""
+    groups = {}
+    for shape, by_form in times.items():
+        own = list(table)
+        for n in next(iter(by_form.values())):
+            given = table[min(n, len(table) - 1)]
+            best = min(by_form, key=lambda form: by_form[form][n])
+            if by_form[best][n] < (1 - FORM_GAIN) * by_form[given][n]:
+                own[n] = best
+        if tuple(own) != table:
+            groups[shape] = tuple(own)
+    return groups
+
+
+def _kept_shapes(groups: dict[str, tuple[str, ...]], table: tuple[str, ...], whole: dict[str, dict[int, float]]):
+    """The shapes' own forms at the sizes where whole passes with them beat the table's by more than GROUP_GAIN
+    (`whole`: {"table" | "own": {rows: seconds}}); elsewhere the table's form. Shapes left with the table drop out."""
+    kept = {}
+    for shape, own in groups.items():
+        mine = tuple(form if n in whole["own"] and whole["own"][n] < (1 - GROUP_GAIN) * whole["table"][n] else table[n]
+                     for n, form in enumerate(own))  # fmt: skip
+        if mine != table:
+            kept[shape] = mine
+    return kept
 
 
 def _confirmed(pad: tuple[int, ...], times: dict[int, float]) -> tuple[int, ...]:

@@ -409,7 +409,7 @@ def _load(
     if device.type == "cpu" and pack:
         forms = choose_forms(model, f"{shape_key(model)}|{dtype}", cache_dir() / "cpu-forms.json",
                              lambda message: progress(f"{source.spec}: {message}"))  # fmt: skip
-    reformed = len(forms["layers"]) if set(forms["table"]) != {"stock"} else 0
+    reformed = sum(set(layer.table) != {"stock"} for layer in forms["layers"])
     linear_forms = forms["linear_forms"] if device.type == "cpu" else ""
     with torch.inference_mode():  # what one decode step costs right now: the yardstick for suspect runs
         step_s = time_passes(model, (1,))[1]
