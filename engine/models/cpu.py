@@ -41,7 +41,7 @@ AMX Xeon stock layers won every pass of 1-6 rows, yet from 4 rows the LM head (4
 are timed alone, all of them in a row as a pass meets them (their weights out of the caches), at each size in each
 form; a shape takes another form for a size where that saves FORM_GAIN of the shape's time, and the sizes where
 whole passes then run faster than with the table (by GROUP_GAIN, timed in turns) keep it: 4-row passes of the bundled
-model 1.41 one-token passes against 1.52, 9-row 1.69 against 1.79.
+model 1.45 one-token passes against 1.54, 9-row 1.71 against 1.80.
 
 SPECARENA_CPU_PACK: auto (default) measures; 1 packs every pass; 0 keeps stock layers. Float32 on CPU only;
 any failure leaves the model as it was.
@@ -53,6 +53,7 @@ import hashlib
 import json
 import os
 import platform
+import time
 from pathlib import Path
 
 import psutil
@@ -281,7 +282,7 @@ STOCK = {"layers": [], "table": ("stock",), "pad": (), "groups": {}, "linear_for
 def choose_forms(model, key: str, cache_file: Path, progress=lambda message: None) -> dict:
     """Give the model's linear layers the form that is fastest for each pass size: measured here (saying so
     through `progress`) or recalled, and only the forms used are made. Returns {"layers", "table", "pad",
-    "linear_forms", "measured"}: the CpuLinear layers ([] where the model keeps its own), the form per pass
+    "groups", "linear_forms", "measured"}: the CpuLinear layers ([] where the model keeps its own), the form per pass
     size, the padding table, the weight shapes that run other forms at some sizes ({shape: table}), all of it in
     words, and the timings behind them (None when recalled)."""
     forms = fitting_forms(model)
@@ -377,8 +378,6 @@ def _time_shapes(by_shape: dict[str, list[CpuLinear]], forms: tuple[str, ...], s
     """{shape: {form: {rows: seconds}}}: every layer of a shape run one after the other on `rows` rows, as a pass
     meets them (each reads its weights after the others have pushed them out of the caches), best of `repeats`
     after a warm-up round, the shapes, sizes and forms taking turns."""
-    import time
-
     best = {shape: {form: dict.fromkeys(sizes, float("inf")) for form in forms} for shape in by_shape}
     for round_ in range(repeats + 1):
         for n in sizes:
