@@ -333,17 +333,14 @@ def _measure(model, layers: list[CpuLinear], forms: tuple[str, ...]):
     (`_time_shapes`): the table, the padding, the shapes' own tables and the timings."""
     from engine.decoding.runtime import time_passes
 
-    def use(form):
-        return lambda: [layer.use((form,)) for layer in layers]
-
     sizes = tuple(range(1, PAD_ROWS + 1))
     with torch.inference_mode():
-        times = time_passes(model, sizes, repeats=5, variants={form: use(form) for form in forms})
+        variants = {form: lambda form=form: _run_as(layers, (form,)) for form in forms}
+        times = time_passes(model, sizes, repeats=5, variants=variants)
     table = _choose(times)
     pad = _pad_table({n: times[table[n]][n] for n in sizes})
     if pad:  # a second look, each size in its chosen form: one timing on a noisy machine decides little
-        for layer in layers:
-            layer.use(table)
+        _run_as(layers, table)
         with torch.inference_mode():
             involved = {size for n, m in enumerate(pad) if m != n for size in (n, m)}
             again = time_passes(model, tuple(sorted(involved)), 5)
@@ -356,22 +353,22 @@ def _measure(model, layers: list[CpuLinear], forms: tuple[str, ...]):
         shape_times = _time_shapes(by_shape, forms, unpadded)
     groups = _choose_shapes(shape_times, table)
     if groups:  # whole passes decide: the shapes' own forms against the table's, in turns
-
-        def each_its_own():
-            for layer in layers:
-                layer.use(groups.get(layer.shape, table))
-
-        def the_table():
-            for layer in layers:
-                layer.use(table)
-
         differ = tuple(n for n in unpadded if any(own[n] != table[n] for own in groups.values()))
+        chosen = groups
+        variants = {"table": lambda: _run_as(layers, table), "own": lambda: _run_as(layers, table, chosen)}
         with torch.inference_mode():
-            whole = time_passes(model, differ, 5, variants={"table": the_table, "own": each_its_own})
+            whole = time_passes(model, differ, 5, variants=variants)
         groups = _kept_shapes(groups, table, whole)
     measured = {f"{form}_s": times[form] for form in forms}
     measured["shapes_s"] = shape_times
     return table, pad, groups, measured
+
+
+def _run_as(layers: list[CpuLinear], table: tuple[str, ...], groups: dict[str, tuple[str, ...]] | None = None):
+    """Every layer runs its weight shape's own table where `groups` has one, else `table` (for timing: no form is
+    freed)."""
+    for layer in layers:
+        layer.use((groups or {}).get(layer.shape, table))
 
 
 def _time_shapes(by_shape: dict[str, list[CpuLinear]], forms: tuple[str, ...], sizes: tuple[int, ...], repeats=3):
