@@ -33,8 +33,9 @@ LABELS = {  # field -> the words a person sees next to it (messages use these)
     "top_k": "top-k", "seed": "seed", "chat": "chat template", "dtype": "dtype", "device": "device",
     "ngram": "n-gram size", "alpha": "synthetic alpha", "adaptive": "adaptive gamma", "compile": "compile",
     "warmup": "warm-up", "backend": "backend", "p_min": "draft confidence stop", "draft_min": "shortest draft",
-    "strict": "strict mode",
+    "strict": "strict mode", "topk": "tree: candidates per position",
 }  # fmt: skip
+MAX_TOPK = 8  # the widest draft tree: candidates per position (EAGLE-2's top-k)
 
 
 def cache_dir() -> Path:
@@ -72,6 +73,7 @@ class Settings:
     draft_min: int = 0  # a draft shorter than this is not verified (0 = any length)
     strict: str = "auto"  # every target pass of both runs at one width, so 16-bit greedy ids are bit-identical:
     # on, off, or auto (on where it costs a one-token pass no more than the noise, measured per model)
+    topk: int = 1  # EAGLE-3 head: candidates per draft position; above 1 the head drafts a tree (EAGLE-2), gamma deep
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -145,10 +147,29 @@ class Settings:
         if self.strict == "on" and self.backend != "transformers":
             bad("strict", "runs on the transformers backend only (vLLM and llama.cpp choose their own kernels): "
                 "set it to auto or off.")
+        if not 1 <= self.topk <= MAX_TOPK:
+            bad("topk", f"{self.topk} is out of range: use 1 (a chain) to {MAX_TOPK}.")
+        if self.topk > 1:
+            self._check_tree(bad)
         if not 0 <= self.draft_min <= self.gamma:
             bad("draft_min", f"{self.draft_min} is out of range: use 0 (any) up to gamma ({self.gamma}).")
         self.sampling.validate()
         return self
+
+
+    def _check_tree(self, bad) -> None:
+        """A draft tree (topk > 1) runs where its passes can: an EAGLE-3 head in this process, over a growing cache."""
+        if self.drafter != "eagle3":
+            bad("topk", "above 1 drafts a tree, which the EAGLE-3 head does: pick the eagle3 drafter, or set it to 1.")
+        if self.backend != "transformers":
+            bad("topk", f"above 1 drafts a tree, which runs on the transformers backend only here ({self.backend} "
+                "verifies chains): set it to 1, or choose backend transformers.")
+        if self.strict == "on":
+            bad("topk", "above 1 drafts a tree, whose verify passes strict mode cannot pad to one width: set it to 1, "
+                "or strict mode to auto (16-bit ids may then part by rounding, which the verdict tells from a bug).")
+        if self.compile:
+            bad("topk", "above 1 drafts a tree, which compiled passes (a static cache) do not run: set it to 1, or "
+                "turn compile off.")
 
 
 def check_prompt(prompt) -> str:

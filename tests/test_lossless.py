@@ -71,7 +71,7 @@ def test_an_injected_difference_in_the_real_loop_is_judged_a_bug(llama_pair, mon
         base = list(baseline_decode(target, tok, ids, GREEDY, 30, set()))
         real, calls = engine.decoding.speculative.forward, {"n": 0}
 
-        def broken(model, token_ids, cache, keep=0, width=0, layers=()):
+        def broken(model, token_ids, cache, keep=0, width=0, layers=(), tree=None):
             logits = real(model, token_ids, cache, keep, width)
             calls["n"] += 1
             if calls["n"] == 4:

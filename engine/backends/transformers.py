@@ -167,7 +167,8 @@ class Transformers:
         wide costs a one-token pass no more than STRICT_MARGIN (measured once per model and width): on a GPU,
         whose small passes are bandwidth-bound, nearly always; on a CPU, as measured."""
         width = widest_pass(s)
-        wanted = s.strict == "on" or (s.strict == "auto" and self.pair.target.dtype != torch.float32)
+        # a draft tree's passes cannot be padded to one width: auto leaves strict mode off for one (on is refused)
+        wanted = s.strict == "on" or (s.strict == "auto" and self.pair.target.dtype != torch.float32 and s.topk == 1)
         cost = ENGINE.call(self.pair.target.strict_cost, width) if wanted else None
         on = s.strict == "on" or (wanted and cost <= 1 + STRICT_MARGIN)
         self.strict = {"setting": s.strict, "width": width if on else 0, "cost": cost}
@@ -236,7 +237,8 @@ class Transformers:
         if s.uses_head:
             from engine.models.heads import drafter_for
 
-            return drafter_for(pair.head, pair.target.vocab_size, s.gamma, s.adaptive)
+            costs = pair.target.verify_costs if s.topk > 1 else None  # a tree keeps the nodes that pay for their rows
+            return drafter_for(pair.head, pair.target.vocab_size, s.gamma, s.adaptive, s.topk, costs)
         if s.drafter == "prompt-lookup":
             costs = pair.target.verify_costs if s.adaptive else None
             return PromptLookup(max_ngram=s.ngram, costs=costs, gamma=s.gamma)

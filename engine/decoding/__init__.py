@@ -3,7 +3,8 @@
     speculative   THE loop: draft, verify in one target pass, accept, roll back
     baseline      the target alone, one token per pass, with the same events
     drafters      what proposes: a draft model, prompt lookup, the synthetic measurement tool
-    heads         draft heads over the target's hidden states: EAGLE-3 chains, DFlash blocks
+    heads         draft heads over the target's hidden states: EAGLE-3 chains and trees, DFlash blocks
+    tree          draft trees (EAGLE-2): shapes, their masks, which nodes are worth a verify pass
     suffix        suffix decoding over a session's earlier outputs; crosstok: a draft with another tokenizer
     sampling      logits to probabilities, sampling, the rejection rule that keeps sampling lossless
     runtime       the forward pass (strict width, compiled buckets), caches, clock, prompt and text

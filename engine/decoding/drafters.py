@@ -31,6 +31,8 @@ class Draft:
     passes: int = 0  # draft forward passes spent
     note: str = ""  # why the draft ended before its length, when it did (a confidence stop, a dropped draft)
     untimed_s: float = 0.0  # time the drafter spent on its own bookkeeping, not drafting (kept out of the clocks)
+    parents: list[int] | None = None  # a draft tree (engine.decoding.tree): each token's parent, -1 the last token;
+    # None: a chain, each token after the one before
 
 
 class Drafter(ABC):

@@ -23,6 +23,7 @@ the length changes the proposals). The head's cache keeps only context rows.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,8 @@ from torch import nn
 
 from engine.decoding.drafters import Draft, Drafter
 from engine.decoding.sampling import SamplingConfig, logits_to_probs, sample
+from engine.decoding.tree import reindex, select
+from engine.settings import MAX_GAMMA
 
 
 @dataclass
@@ -172,11 +175,11 @@ class HeadLayer(nn.Module):
         return h + m.down_proj(self.act(m.gate_proj(normed)) * m.up_proj(normed))
 
 
-def attend(q, keys, values, past: int, causal: bool) -> torch.Tensor:
-    """SDPA of q's rows, which sit at cache positions past.., over keys/values (1, KV, total, D)."""
+def attend(q, keys, values, past: int, causal: bool, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA of q's rows, which sit at cache positions past.., over keys/values (1, KV, total, D); `mask` (rows,
+    total), when given, says which keys each row sees instead."""
     rows, total = q.shape[2], keys.shape[2]
-    mask = None
-    if causal and rows > 1:
+    if mask is None and causal and rows > 1:
         mask = (torch.arange(total, device=q.device) <= torch.arange(past, past + rows, device=q.device)[:, None])
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=q.shape[1] != keys.shape[1])
 
@@ -211,9 +214,11 @@ class Head(nn.Module):
             inv_freq, self.rotary_scale = self.config.rotary()
         self.inv_freq = inv_freq if device.type == "meta" else inv_freq.to(device)
 
-    def rotary(self, start: int, rows: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        positions = torch.arange(start, start + rows, dtype=torch.float32, device=self.inv_freq.device)
-        freqs = positions[:, None] * self.inv_freq  # (rows, D/2)
+    def rotary(self, start: int, rows: int, dtype, positions: torch.Tensor | None = None):
+        """cos and sin (1, 1, rows, D) of positions start.., or of `positions` (rows,) when given."""
+        if positions is None:
+            positions = torch.arange(start, start + rows, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq  # (rows, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos() * self.rotary_scale, emb.sin() * self.rotary_scale
         return cos.to(dtype)[None, None], sin.to(dtype)[None, None]  # (1, 1, rows, D)
@@ -235,12 +240,15 @@ class Head(nn.Module):
         full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
         return full.index_copy_(1, self.d2t, logits)
 
-    def eagle3(self, tokens: torch.Tensor, x: torch.Tensor, cache: HeadCache) -> tuple[torch.Tensor, torch.Tensor]:
+    def eagle3(self, tokens: torch.Tensor, x: torch.Tensor, cache: HeadCache, positions: torch.Tensor | None = None,
+               mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """EAGLE-3 rows after what `cache` holds: tokens (rows,), x (rows, hidden) = fused target features or the
-        head's own earlier output. Returns (the state to feed back (rows, hidden), draft-vocab logits (rows, Vd))."""
+        head's own earlier output. Returns (the state to feed back (rows, hidden), draft-vocab logits (rows, Vd)).
+        Rows of a draft tree give their `positions` (rows,) and `mask` (rows, cache rows after them): which rows
+        each sees (its ancestors'), where a chain's rows follow each other causally."""
         c, rows, past = self.config, tokens.shape[0], cache.length
         cache.make_room(past + rows)
-        cos, sin = self.rotary(past, rows, x.dtype)
+        cos, sin = self.rotary(past, rows, x.dtype, positions)
         e = self.embed_tokens(tokens)[None]  # (1, rows, H)
         h = x[None]
         for i, layer in enumerate(self.layers):
@@ -255,7 +263,7 @@ class Head(nn.Module):
             v = layer.split(inp, layer.self_attn.v_proj, c.num_kv_heads)
             cache.keys[i][:, :, past : past + rows] = k
             cache.values[i][:, :, past : past + rows] = v
-            a = attend(q, cache.keys[i][:, :, : past + rows], cache.values[i][:, :, : past + rows], past, True)
+            a = attend(q, cache.keys[i][:, :, : past + rows], cache.values[i][:, :, : past + rows], past, True, mask)
             h = layer.finish(residual, a)
         cache.length = past + rows
         out = self.norm(h[0])
@@ -324,14 +332,37 @@ class HeadDrafter(Drafter):
 
 
 class Eagle3(HeadDrafter):
-    """EAGLE-3 chain drafting: one pass over the kept rows, then one row per further draft token."""
+    """EAGLE-3 drafting: one pass over the kept rows, then one row per further draft token (a chain), or with
+    `topk` > 1 a tree (EAGLE-2): each pass after the first expands the `topk` likeliest nodes of the last depth at
+    once, each into its `topk` likeliest children, and the nodes worth a verify pass on this machine are kept
+    (engine.decoding.tree.select, with the target's verify `costs`)."""
 
     name = "eagle3"
+    TRUST_PRIOR = 8.0  # pseudo-tokens behind the start of the confidences' trust (1: taken at their word)
 
-    def propose(self, ids, limit, cfg, generator) -> Draft:
-        gamma = min(self.gamma, limit)
-        if gamma <= 0:
-            return Draft([])
+    def __init__(self, head: Head, vocab_size: int, gamma: int = 4, adaptive: bool = False, topk: int = 1,
+                 costs: list[float] | None = None):  # fmt: skip
+        self.topk, self.costs = topk, costs
+        super().__init__(head, vocab_size, gamma, adaptive)
+
+    def reset(self) -> None:
+        super().reset()
+        self.expected = 0.0  # the last tree's expected accepted length, by its confidences
+        self.kept_sum = self.expected_sum = self.TRUST_PRIOR
+
+    @property
+    def trust(self) -> float:
+        """Tokens the target kept over those the trees' confidences expected, so far in the run."""
+        return self.kept_sum / self.expected_sum
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if self.topk > 1 and drafted:
+            self.kept_sum += accepted
+            self.expected_sum += self.expected
+        super().observe(drafted, accepted)
+
+    def _real_rows(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's pass over the rows the target kept since the last proposal: their states and logits."""
         head, device = self.head, self.head.fc.weight.device
         self.cache.crop(self.fed)  # rows built from its own guesses go
         features = self._take(ids)
@@ -339,6 +370,16 @@ class Eagle3(HeadDrafter):
         tokens_in = torch.tensor(ids[self.fed + 1 : self.fed + 1 + rows], device=device)
         state, logits = head.eagle3(tokens_in, head.fuse(features), self.cache)  # (rows, H), (rows, Vd)
         self.fed += rows
+        return state, logits
+
+    def propose(self, ids, limit, cfg, generator) -> Draft:
+        gamma = min(self.gamma, limit)
+        if gamma <= 0:
+            return Draft([])
+        if self.topk > 1:
+            return self._tree(ids, gamma, cfg)
+        head, device = self.head, self.head.fc.weight.device
+        state, logits = self._real_rows(ids)
         tokens, probs = [], []
         for k in range(gamma):
             token, q = self._choose(logits[-1], cfg, generator)
@@ -347,6 +388,55 @@ class Eagle3(HeadDrafter):
             if k + 1 < gamma:
                 state, logits = head.eagle3(torch.tensor([token], device=device), state[-1:], self.cache)
         return Draft(tokens, None if cfg.greedy else torch.stack(probs), passes=gamma)
+
+    def _ranked(self, logits: torch.Tensor, cfg: SamplingConfig) -> list[tuple[list[int], list[float]]]:
+        """Per row of draft-vocabulary logits (rows, Vd): the `topk` likeliest tokens (target ids) and their log
+        confidences, the head's softmax or its q under the run's sampling settings (tokens q cannot draw are left
+        out). One pass over the rows, one copy to the host."""
+        probs = torch.softmax(logits.float(), -1) if cfg.greedy else logits_to_probs(logits, cfg)  # (rows, Vd)
+        top = probs.topk(min(self.topk, probs.shape[-1]), -1)
+        ids = top.indices if self.head.d2t is None else self.head.d2t[top.indices]
+        out = []
+        for row_ids, row_p in zip(ids.tolist(), top.values.log().tolist()):
+            kept = [(i, lp) for i, lp in zip(row_ids, row_p) if lp > float("-inf")]
+            out.append(([i for i, _ in kept], [lp for _, lp in kept]))
+        return out
+
+    def _tree(self, ids: list[int], depth: int, cfg: SamplingConfig) -> Draft:
+        """Grow a tree `depth` deep (EAGLE-2), then keep the nodes worth verifying."""
+        head, device, k = self.head, self.head.fc.weight.device, self.topk
+        state, logits = self._real_rows(ids)
+        base = self.cache.length  # the real rows; every tree row comes after them
+        (tokens, scores), = self._ranked(logits[-1:], cfg)
+        parents = [-1] * len(tokens)
+        states = {-1: state[-1]}  # node -> the state its children are fed with (its own row's output)
+        rows_of: dict[int, list[int]] = {-1: []}  # node -> the head cache rows it sees of the tree (its branch's)
+        frontier, passes = list(range(len(tokens))), 1
+        for level in range(1, depth):  # expand nodes of depth `level`: their rows sit at position base + level - 1
+            grow = sorted(frontier, key=lambda n: -scores[n])[:k]
+            if not grow:
+                break
+            past = self.cache.length
+            mask = torch.zeros((len(grow), past + len(grow)), dtype=torch.bool)
+            mask[:, :base] = True
+            for r, n in enumerate(grow):
+                rows_of[n] = rows_of[parents[n]] + [past + r]
+                mask[r, rows_of[n]] = True
+            x = torch.stack([states[parents[n]] for n in grow])  # (rows, H)
+            at = torch.full((len(grow),), base + level - 1, device=device)
+            grown = torch.tensor([tokens[n] for n in grow], device=device)
+            out, lg = head.eagle3(grown, x, self.cache, at, mask.to(device))  # (rows, H), (rows, Vd)
+            passes += 1
+            frontier = []
+            for r, (n, (more, confidence)) in enumerate(zip(grow, self._ranked(lg, cfg))):
+                states[n] = out[r]
+                frontier += range(len(tokens), len(tokens) + len(more))
+                tokens += more
+                scores += [scores[n] + c for c in confidence]
+                parents += [n] * len(more)
+        kept = select(scores, parents, self.costs, MAX_GAMMA, self.trust)
+        self.expected = sum(math.exp(scores[n]) for n in kept)
+        return Draft([tokens[n] for n in kept], None, passes=passes, parents=reindex(kept, parents))
 
 
 class DFlash(HeadDrafter):

@@ -32,6 +32,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from engine.decoding.tree import ancestry, depths
+
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
 
@@ -106,6 +108,15 @@ class LeanCache:
     def reset(self) -> None:
         self.length = 0
 
+    def keep(self, start: int, rows: list[int]) -> None:
+        """Keep, of the rows written from `start` on, those at offsets `rows` (ascending), moved up to sit in a row:
+        the branch of a draft tree the target took (engine.decoding.tree)."""
+        index = torch.tensor(rows) + start
+        for tensors in (self.keys, self.values):
+            for t in tensors:
+                t[:, :, start : start + len(rows)] = t[:, :, index]
+        self.length = start + len(rows)
+
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm: in float32, scaled in the input's dtype."""
@@ -131,21 +142,31 @@ class LeanDecoder(torch.nn.Module):
         self.inv_freq = rotary.inv_freq.to(torch.float32)
         self.rotary_scale = rotary.attention_scaling
 
-    def forward(self, input_ids: torch.Tensor, cache: LeanCache, keep: int = 0, layers: tuple[int, ...] = ()):
+    def forward(self, input_ids: torch.Tensor, cache: LeanCache, keep: int = 0, layers: tuple[int, ...] = (),
+                tree: list[int] | None = None):  # fmt: skip
         """Logits; with `layers` (indices into transformers' hidden_states), also those states of every row,
-        concatenated in that order: (logits, (rows, len(layers) x hidden))."""
+        concatenated in that order: (logits, (rows, len(layers) x hidden)). `tree`: the rows after the first are
+        draft tree nodes with these parents (engine.decoding.tree), each at its depth's position, seeing its
+        ancestors only."""
         model = self.model[0]
         taken: dict[int, torch.Tensor] = {}
         rows, past = input_ids.shape[1], cache.length
         total = past + rows
         cache.make_room(total)
         x = model.model.embed_tokens(input_ids)  # (1, rows, E)
-        cos, sin = self._rotary(past, total, x.dtype)  # (1, 1, rows, D)
         # as transformers' SDPA path: no mask for one row or a first pass (causal); a boolean mask otherwise,
         # over keys and values repeated per query head
         mask = None
-        if rows > 1 and past:
-            mask = (torch.arange(total) <= torch.arange(past, total)[:, None])[None, None]  # (1, 1, rows, total)
+        if tree is not None:
+            positions = torch.tensor([past] + [past + d for d in depths(tree)], dtype=torch.float32)
+            mask = torch.ones((rows, total), dtype=torch.bool)
+            mask[:, past:] = ancestry(tree)
+            mask = mask[None, None]  # (1, 1, rows, total)
+        else:
+            positions = torch.arange(past, total, dtype=torch.float32)
+            if rows > 1 and past:
+                mask = (torch.arange(total) <= torch.arange(past, total)[:, None])[None, None]  # (1, 1, rows, total)
+        cos, sin = self._rotary(positions, x.dtype)  # (1, 1, rows, D)
         for i, layer in enumerate(model.model.layers):
             if i in layers:
                 taken[i] = x[0]  # the residual stream entering layer i (x is rebound, never written in place)
@@ -171,9 +192,9 @@ class LeanDecoder(torch.nn.Module):
         logits = model.lm_head(_rms(x, model.model.norm.weight, self.eps))[0]
         return (logits, torch.cat([taken[i] for i in layers], -1)) if layers else logits
 
-    def _rotary(self, past: int, total: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and the signed sin of positions past..total-1, as LlamaRotaryEmbedding computes them."""
-        freqs = torch.arange(past, total, dtype=torch.float32)[:, None] * self.inv_freq  # (rows, D/2)
+    def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and the signed sin of `positions` (float32), as LlamaRotaryEmbedding computes them."""
+        freqs = positions[:, None] * self.inv_freq  # (rows, D/2)
         cos = torch.cat((freqs, freqs), dim=-1).cos() * self.rotary_scale
         s = freqs.sin() * self.rotary_scale
         sin = torch.cat((-s, s), dim=-1)  # rotate_half's sign moved onto sin: the same products

@@ -28,7 +28,9 @@ class StepEvent:
     # "stopped" marks a run cancelled by the caller (no tokens, no pass)
     tokens: list[int]  # emitted this step, in order: accepted drafts, then `token` (unless cut by EOS/limit)
     pieces: list[str]  # decoded text of each emitted token ("" while a character is incomplete)
-    drafted: list[int] = field(default_factory=list)  # the draft's proposal
+    drafted: list[int] = field(default_factory=list)  # the draft's proposal (a tree: the tokens of the branch the
+    # target took, then the candidates it turned down there)
+    tree: int = 0  # nodes of the draft tree the target verified (0: the draft was a chain)
     p: list[float] = field(default_factory=list)  # target probability of each drafted token
     q: list[float] = field(default_factory=list)  # draft probability of each drafted token (1.0 if one-hot)
     accepted: int = 0  # how many drafted tokens were kept (a prefix)
@@ -80,8 +82,9 @@ class Metrics:
     draft_s: float
     verify_s: float
     overhead_s: float
-    mean_gamma: float  # draft tokens per decode step
-    cost_ratio_c: float | None  # time to draft one token / time of one verify pass
+    mean_gamma: float  # draft tokens per decode step (a tree: of the branch the target walked)
+    tree_nodes: float | None  # draft tree nodes verified per decode step; None for chains
+    cost_ratio_c: float | None  # time to draft one token (a tree: one drafter pass) / time of one verify pass
     predicted_speedup: float | None  # Leviathan et al., from the measured alpha, gamma and c
     finish_reason: str | None
 
@@ -127,13 +130,17 @@ def summarise(mode: str, steps: list[StepEvent], text: str) -> RunResult:
     counts = position_counts(decode)
     tested = sum(r for r, _ in counts)
     alpha = sum(k for _, k in counts) / tested if tested else None
+    # a tree's depth is its drafter's passes, each drafting a level: the formula's gamma and c count those
+    trees = [s for s in decode if s.tree]
+    depth = [s.draft_passes if trees else len(s.drafted) for s in decode]
+    units = sum(depth)
     # c is unknown where drafting is not timed apart from verifying (a server backend reports no draft time)
-    c = (draft_s / drafted) / (verify_s / len(decode)) if drafted and verify_s > 0 and draft_s > 0 else None
+    c = (draft_s / units) / (verify_s / len(decode)) if units and verify_s > 0 and draft_s > 0 else None
     # Leviathan's formula per step, summed: exact for a constant gamma, fair when gamma varies
     predicted = None
     if alpha is not None and c is not None:
-        gained = sum(leviathan_speedup(alpha, len(s.drafted), c) * (len(s.drafted) * c + 1) for s in decode)
-        predicted = gained / sum(len(s.drafted) * c + 1 for s in decode)
+        gained = sum(leviathan_speedup(alpha, g, c) * (g * c + 1) for g in depth)
+        predicted = gained / sum(g * c + 1 for g in depth)
     rates = [k / r if r else None for r, k in counts]
     hist = [0] * (len(counts) + 1)
     for s in decode:
@@ -159,6 +166,7 @@ def summarise(mode: str, steps: list[StepEvent], text: str) -> RunResult:
         verify_s=verify_s,
         overhead_s=sum(s.other_s for s in decode),
         mean_gamma=drafted / len(decode) if decode else 0.0,
+        tree_nodes=sum(s.tree for s in decode) / len(decode) if trees else None,
         cost_ratio_c=c,
         predicted_speedup=predicted,
         finish_reason=steps[-1].finished,

@@ -14,6 +14,7 @@ from engine.decoding.lean import LeanCache
 from engine.decoding.lossless import top_two
 from engine.decoding.metrics import StepEvent
 from engine.decoding.sampling import choose
+from engine.decoding.tree import ancestry, depths
 from engine.settings import MAX_GAMMA
 
 
@@ -126,8 +127,13 @@ def new_cache(model, max_len: int | None = None, role: str = "run", static: bool
     return cache
 
 
-def forward(model, token_ids: list[int], cache, keep: int = 0, width: int = 0, layers: tuple[int, ...] = ()):
+def forward(model, token_ids: list[int], cache, keep: int = 0, width: int = 0, layers: tuple[int, ...] = (),
+            tree: list[int] | None = None):  # fmt: skip
     """Feed token_ids after what `cache` holds; return logits (n, V), or the last `keep` rows (keep, V).
+
+    `tree`: token_ids are a root and the nodes of a draft tree with these parents (engine.decoding.tree): each node
+    at its depth's position, seeing the context and its ancestors only; `keep_rows` then keeps the branch taken.
+    Over a growing cache only (not strict mode's or a compiled model's static one).
 
     `layers` (a draft head's, engine.decoding.heads): also return the hidden states of those layers (indices into
     transformers' hidden_states) for every one of the n tokens, concatenated: (logits, (n, len(layers) x hidden)).
@@ -139,7 +145,9 @@ def forward(model, token_ids: list[int], cache, keep: int = 0, width: int = 0, l
     causal attention keeps it out of their results; its keys and values are cropped off again."""
     n = len(token_ids)
     if type(cache) is LeanCache:  # a lean pass (engine.decoding.lean): never padded, never compiled
-        return model.lean(torch.tensor([token_ids], dtype=torch.long), cache, keep, layers)
+        return model.lean(torch.tensor([token_ids], dtype=torch.long), cache, keep, layers, tree)
+    if tree is not None:
+        return _tree_pass(model, token_ids, cache, layers, tree)
     step = getattr(model, "compiled_step", None)
     # a cache's first pass runs eagerly: it allocates the cache there, where it can be marked as static for
     # CUDA graphs (inside a compiled pass the tensors would become graph outputs, overwritten by the next replay)
@@ -166,6 +174,36 @@ def forward(model, token_ids: list[int], cache, keep: int = 0, width: int = 0, l
         return logits
     features = torch.cat([out.hidden_states[i][0, :n] for i in layers], -1)  # (n, len(layers) x hidden)
     return logits, features.clone() if compiled else features
+
+
+def _tree_pass(model, token_ids: list[int], cache, layers: tuple[int, ...], tree: list[int]):
+    """The model's own forward over a draft tree: positions by depth, a 4D mask of ancestors (as-is to attention)."""
+    from transformers import DynamicCache
+
+    if not isinstance(cache, DynamicCache):
+        raise ValueError("a draft tree runs over a growing cache, not a static one (strict mode, compiled passes)")
+    past, n = cache.get_seq_length(), len(token_ids)
+    positions = torch.tensor([[past] + [past + d for d in depths(tree)]], device=model.device)
+    mask = torch.ones((n, past + n), dtype=torch.bool)
+    mask[:, past:] = ancestry(tree)
+    ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
+    out = model(input_ids=ids, cache=cache, use_cache=True, position_ids=positions,
+                attention_mask=mask[None, None].to(model.device), output_hidden_states=bool(layers))  # fmt: skip
+    logits = out.logits[0]
+    if not layers:
+        return logits
+    return logits, torch.cat([out.hidden_states[i][0] for i in layers], -1)
+
+
+def keep_rows(cache, start: int, rows: list[int]) -> None:
+    """Keep, of the cache rows from `start` on, those at offsets `rows` (ascending), moved up into a row: the branch
+    of a draft tree the target took."""
+    if type(cache) is LeanCache:
+        return cache.keep(start, rows)
+    index = torch.tensor(rows, device=cache.layers[0].keys.device) + start
+    for layer in cache.layers:
+        layer.keys = torch.cat([layer.keys[..., :start, :], layer.keys[..., index, :]], -2)
+        layer.values = torch.cat([layer.values[..., :start, :], layer.values[..., index, :]], -2)
 
 
 def fitting(model, context: int, more: int) -> int:

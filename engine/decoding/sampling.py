@@ -10,6 +10,12 @@ top-p processing, so the rule below reproduces the *processed* target distributi
 
 A drafter without probabilities (prompt lookup) has a one-hot q: x is accepted with probability p(x)
 and the residual is p with x removed. With temperature 0 everything degenerates to argmax matching.
+
+A tree of candidates (engine.decoding.tree) chosen without drawing from q, such as a head's top-k, is verified by
+`verify_tree`: at each node the target draws its own token from p (its argmax when greedy) and the walk goes on into
+the child holding that token. Every emitted token is then a draw from p at its position, whatever the tree held:
+for one candidate per position that is the one-hot rule above (accept x with probability p(x), else draw from p
+without x), for several it is SpecInfer's multi-candidate rule with deterministic candidates.
 """
 
 from __future__ import annotations
@@ -127,6 +133,37 @@ def verify(
     else:
         token = _resample(p[n], draft_probs, draft, n, generator)
     return Verdict(n, token, p_list, q_list, float(p[n, token]))
+
+
+@dataclass
+class TreeVerdict(Verdict):
+    path: list[int]  # the accepted nodes, root's child first (len = accepted)
+    tried: list[int]  # the children of the last accepted node (or of the root), none holding `token`
+
+
+def verify_tree(tokens: list[int], parents: list[int], target_logits: torch.Tensor, cfg: SamplingConfig,
+                generator: torch.Generator) -> TreeVerdict:  # fmt: skip
+    """Walk a draft tree as the target decodes: node i holds tokens[i] after node parents[i] (-1: the root, the last
+    emitted token); target_logits (n + 1, V) has the root's row first, then node i's in row i + 1.
+
+    p and q of the walked tokens: p at their parents' rows, q 1.0 (deterministic candidates)."""
+    p = logits_to_probs(target_logits, cfg)  # (n + 1, V)
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        children.setdefault(parent, []).append(i)
+    path, node = [], -1
+    while True:
+        row = node + 1
+        token = int(target_logits[row].argmax()) if cfg.greedy else int(sample(p[row], generator))
+        follow = [c for c in children.get(node, []) if tokens[c] == token]
+        if not follow:
+            break
+        path.append(node := follow[0])
+    tried = children.get(node, [])
+    walked = path + tried
+    rows = [parents[i] + 1 for i in walked]
+    p_list = p[rows, [tokens[i] for i in walked]].tolist() if walked else []
+    return TreeVerdict(len(path), token, p_list, [1.0] * len(walked), float(p[node + 1, token]), path, tried)
 
 
 def _resample(p: torch.Tensor, draft_probs: torch.Tensor | None, draft: torch.Tensor, n: int, generator) -> int:

@@ -25,8 +25,8 @@ import torch
 from engine.decoding.drafters import Drafter
 from engine.decoding.lossless import top_two
 from engine.decoding.metrics import StepEvent
-from engine.decoding.runtime import Clock, TextStream, capacity, emit, forward, prefill
-from engine.decoding.sampling import SamplingConfig, verify
+from engine.decoding.runtime import Clock, TextStream, capacity, emit, forward, keep_rows, prefill
+from engine.decoding.sampling import SamplingConfig, verify, verify_tree
 
 
 @torch.inference_mode()  # per resumption: a UI may resume this generator on another thread
@@ -71,28 +71,37 @@ def speculative_decode(
         draft = drafter.draft(ids, min(room, width or room) - 1, cfg, generator)
         t1 = clock.now()
 
-        # 2. verify: the last emitted token plus the draft, one target pass
-        scored = forward(target, [ids[-1]] + draft.tokens, cache, width=width, layers=drafter.layers)
+        # 2. verify: the last emitted token plus the draft, one target pass (a tree's nodes each see their branch)
+        tree = draft.parents
+        scored = forward(target, [ids[-1]] + draft.tokens, cache, width=width, layers=drafter.layers, tree=tree)
         logits, features = scored if head is not None else (scored, None)  # (gamma+1, V), (gamma+1, F)
         t2 = clock.now()
 
-        # 3. accept a prefix of the draft, then the target's own token
+        # 3. accept a prefix of the draft (a tree: the branch the target takes), then the target's own token
         k = len(draft.tokens)
-        drafted = torch.tensor(draft.tokens, dtype=torch.long, device=logits.device)
-        verdict = verify(drafted, logits, draft.probs, cfg, generator)
+        if tree is None:
+            drafted = torch.tensor(draft.tokens, dtype=torch.long, device=logits.device)
+            verdict = verify(drafted, logits, draft.probs, cfg, generator)
+            walked, kept_rows = draft.tokens, list(range(verdict.accepted + 1))
+        else:
+            verdict = verify_tree(draft.tokens, tree, logits, cfg, generator)
+            walked = [draft.tokens[i] for i in verdict.path + verdict.tried]
+            kept_rows = [0] + [i + 1 for i in verdict.path]
         n = verdict.accepted
-        tokens, pieces, finished = emit(stream, draft.tokens[:n] + [verdict.token], eos, room)
-        top = top_two(logits[: len(tokens)]) if cfg.greedy else []  # evidence for the lossless verdict
+        tokens, pieces, finished = emit(stream, walked[:n] + [verdict.token], eos, room)
+        top = top_two(logits[kept_rows[: len(tokens)]]) if cfg.greedy else []  # evidence for the lossless verdict
 
-        # 4. roll back: the cache now holds [last, x_1..x_k]; keep [last, x_1..x_n]
-        if k > n:
+        # 4. roll back: the cache now holds [last, x_1..x_k]; keep [last, x_1..x_n] (a tree: the branch taken)
+        if tree is not None and n:
+            keep_rows(cache, cache.get_seq_length() - k - 1, kept_rows)
+        elif k > n:
             cache.crop(n - k)
         if head is not None:
-            head.see(features[: n + 1])  # the kept rows' features: [last, x_1..x_n]
-        drafter.observe(k, n)
+            head.see(features[kept_rows])  # the kept rows' features: [last, x_1..x_n]
+        drafter.observe(len(walked), n)  # a tree's walked branch: all kept when it reached a leaf
         t3 = clock.now()
 
-        rejected = [tokenizer.decode([t]) for t in draft.tokens[n:]]  # for display only: outside the clocks
+        rejected = [tokenizer.decode([t]) for t in walked[n:]]  # for display only: outside the clocks
         t0 += draft.untimed_s  # a measurement drafter's bookkeeping (drafters.Synthetic) is not drafting
         elapsed += t3 - t0
         ids += tokens
@@ -100,8 +109,9 @@ def speculative_decode(
         if finished is not None:
             drafter.finish(ids)  # before the last event: a consumer may stop reading there
         yield StepEvent(
-            step, "target" if k == 0 else "bonus" if n == k else "correction", tokens, pieces,
-            drafted=draft.tokens, p=verdict.p, q=verdict.q, accepted=n, rejected_pieces=rejected,
+            step, "target" if k == 0 else "bonus" if n == len(walked) else "correction", tokens, pieces,
+            drafted=walked, tree=k if tree is not None else 0, p=verdict.p, q=verdict.q, accepted=n,
+            rejected_pieces=rejected,
             token=verdict.token if len(tokens) > n else None, token_p=verdict.token_p,
             draft_s=t1 - t0, verify_s=t2 - t1, other_s=t3 - t2, elapsed_s=elapsed,
             draft_passes=draft.passes, draft_note=draft.note, top=top, finished=finished,

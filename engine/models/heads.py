@@ -312,10 +312,12 @@ def linear_weight(module) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(eye, forms["packed"], None, "none", [], "").t().contiguous()
 
 
-def drafter_for(head: Head, vocab_size: int, gamma: int, adaptive: bool = False):
-    """The Drafter that runs this head."""
-    kind = Eagle3 if head.config.kind == "eagle3" else DFlash
-    return kind(head, vocab_size, gamma, adaptive)
+def drafter_for(head: Head, vocab_size: int, gamma: int, adaptive: bool = False, topk: int = 1,
+                costs: list[float] | None = None):  # fmt: skip
+    """The Drafter that runs this head (an EAGLE-3 head drafts a tree with topk > 1, sized by the verify `costs`)."""
+    if head.config.kind == "eagle3":
+        return Eagle3(head, vocab_size, gamma, adaptive, topk, costs)
+    return DFlash(head, vocab_size, gamma, adaptive)
 
 
 # ---- writing ---------------------------------------------------------------------------------------------------
