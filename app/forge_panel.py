@@ -292,18 +292,21 @@ def progress_figure(records: list[dict]) -> go.Figure:
 
 def pays_rows(pays: dict | None) -> list[list]:
     names = {"eagle3": "forged head", "prompt-lookup": "prompt lookup", "suffix": "suffix"}
-    return [[names.get(r["drafter"], r["drafter"]), r["gamma"] or "-", _r(r.get("predicted"), 2),
+    return [[names.get(r["drafter"], r["drafter"]) + (f", tree top-{r['topk']}" if r.get("topk", 1) > 1 else ""),
+             r["gamma"] or "-", _r(r.get("predicted"), 2),
              _r(r.get("speedup"), 2), _r(r.get("mean_accepted_length"), 2), _r(r.get("acceptance_rate"), 2),
              r["lossless"] or "-"]
             for r in (pays or {}).get("rows", [])]  # fmt: skip
 
 
 def head_of(summary: dict, folder: str) -> dict:
-    """What "use this head" fills in: the target, the head's folder, and the draft length the forge proposes."""
-    from engine.forge.export import proposed_gamma
+    """What "use this head" fills in: the target, the head's folder, and the draft length (and tree width) measured
+    fastest; `config_gamma` is the chain's its config proposes to every engine."""
+    from engine.forge.export import proposed_gamma, proposed_setting
 
-    gamma = proposed_gamma(summary)
-    return {"target": summary.get("target"), "folder": folder, "gamma": gamma}
+    best = proposed_setting(summary)
+    return {"target": summary.get("target"), "folder": folder, "gamma": best["gamma"], "topk": best["topk"],
+            "config_gamma": proposed_gamma(summary)}  # fmt: skip
 
 
 def verdict_markdown(summary: dict, folder: str, stopped: bool) -> str:
@@ -321,9 +324,11 @@ def verdict_markdown(summary: dict, folder: str, stopped: bool) -> str:
     if served:
         lines[-1] += (" Replayed through the greedy loop, as the engine counts: " + ", ".join(
             f"{x:.2f} tokens per verify pass at γ = {g}" for g, x in enumerate(served, 1)) + ".")  # fmt: skip
-    gamma = head_of(summary, folder)["gamma"]
-    if gamma:
-        lines.append(f"The head's config proposes γ = {gamma}.")
+    head = head_of(summary, folder)
+    if head["config_gamma"]:
+        lines.append(f"The head's config proposes γ = {head['config_gamma']} (a chain, as every engine runs it)"
+                     + (f"; here it runs fastest as a tree of its top {head['topk']} candidates at γ = {head['gamma']}"
+                        if head["topk"] > 1 else "") + ".")  # fmt: skip
     held = (summary.get("prompts") or {}).get("held_out") or 0
     if held and not pays:
         gammas = ",".join(str(g) for g in range(1, len(training.get("val_acceptance") or [0, 0]) + 1))
@@ -390,12 +395,12 @@ def stop(request: gr.Request) -> str:
 
 
 def use_head(head: dict):
-    """The Playground's target, drafter, draft and γ for the forged head."""
+    """The Playground's target, drafter, draft, γ and tree width for the forged head."""
     if not head or not head.get("folder"):
-        return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
     gamma = head.get("gamma")
     return (head.get("target") or gr.skip(), "eagle3", head["folder"],
-            gamma if gamma else gr.skip())  # fmt: skip
+            gamma if gamma else gr.skip(), head.get("topk") or 1)  # fmt: skip
 
 
 def describe_prompts(categories, file, dataset) -> str:
@@ -421,8 +426,8 @@ def wire(f: SimpleNamespace, lab: SimpleNamespace, play: SimpleNamespace) -> Non
                 outputs=outputs, preprocess=False, api_name="forge", concurrency_limit=1, concurrency_id="device",
                 show_progress="hidden")  # fmt: skip
     f.stop.click(stop, outputs=[f.status], queue=False, api_visibility="private")
-    f.use.click(use_head, inputs=[f.head], outputs=[play.form[n] for n in ("target", "drafter", "draft", "gamma")],
-                queue=False, api_visibility="private")  # fmt: skip
+    fills = [play.form[n] for n in ("target", "drafter", "draft", "gamma", "topk")]
+    f.use.click(use_head, inputs=[f.head], outputs=fills, queue=False, api_visibility="private")  # fmt: skip
     # the target follows the Playground's until the user types another
     target = play.form["target"]
     f.target.value = target.value

@@ -254,7 +254,7 @@ def job_failure(exc: Exception, marked, what: str) -> tuple[str, str, gr.Error]:
 # opens the sidebar and the field's group, so that the message under the field is seen.
 GROUPS = ("speculation", "sampling", "numerics")
 GROUP_OF = {"gamma": "speculation", "adaptive": "speculation", "ngram": "speculation", "p_min": "speculation",
-            "draft_min": "speculation", "alpha": "speculation", "max_new_tokens": "sampling",
+            "draft_min": "speculation", "topk": "speculation", "alpha": "speculation", "max_new_tokens": "sampling",
             "temperature": "sampling", "top_p": "sampling", "top_k": "sampling", "seed": "sampling",
             "dtype": "numerics", "strict": "numerics", "chat": "numerics"}  # fmt: skip
 

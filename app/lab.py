@@ -28,6 +28,7 @@ from engine.errors import UserError
 from engine.measure import report
 from engine.measure.bench import Stopped, sweep
 from engine.measure.load import load_curve
+from engine.measure.report import option_label
 from engine.settings import LABELS, Settings
 from engine.worker import ENGINE
 
@@ -44,8 +45,8 @@ so they show what this draft would reach at that α. Suffix cells start with an 
 run the prompts in order, each seeing the earlier prompts' outputs. The camera icon on a chart saves it as PNG; the
 report's charts.html holds both charts and opens offline."""
 
-CELL_COLUMNS = ["drafter", "γ", "temperature", "confidence stop", "speedup ×", "min", "max", "samples", "acceptance",
-                "base tok/s", "spec tok/s", "lossless"]  # fmt: skip
+CELL_COLUMNS = ["drafter", "γ", "temperature", "confidence stop", "tree top-k", "speedup ×", "min", "max", "samples",
+                "acceptance", "base tok/s", "spec tok/s", "lossless"]  # fmt: skip
 LOAD_COLUMNS = ["at a time", "speedup ×", "base tok/s", "spec tok/s", "base p50 s", "base p99 s", "spec p50 s",
                 "spec p99 s"]  # fmt: skip
 # "usually": where speculation usually wins or loses on such tasks (presets), not what this sweep measured
@@ -70,6 +71,8 @@ def build_layout() -> SimpleNamespace:
         )  # fmt: skip
         ui.p_mins = gr.Textbox("0", label="confidence stops (draft model)", info="comma-separated, e.g. 0, 0.5: "
                                "stop drafting below this top probability", elem_id=field_id("p_mins"))  # fmt: skip
+        ui.topks = gr.Textbox("1", label="tree widths (EAGLE-3 head)", info="comma-separated, e.g. 1, 3: candidates "
+                              "per position; above 1 the head drafts a tree", elem_id=field_id("topks"))  # fmt: skip
     with gr.Row():
         ui.categories = gr.Dropdown(presets.categories(), value=["rewriting", "creative_writing"], multiselect=True,
                                     label="task categories", elem_id=field_id("categories"))  # fmt: skip
@@ -116,7 +119,7 @@ def _identical(cell: dict):
 
 def cell_rows(data: dict) -> list[list]:
     return [
-        [c["drafter"], c["gamma"], c["temperature"], c.get("p_min", 0.0), _r(c["speedup"]["median"]),
+        [c["drafter"], c["gamma"], c["temperature"], c.get("p_min", 0.0), c.get("topk", 1), _r(c["speedup"]["median"]),
          _r(c["speedup"]["min"]), _r(c["speedup"]["max"]), c["speedup"]["n"], _r(c["acceptance_rate"]["median"]),
          _r(c["baseline_tps"]["median"], 1), _r(c["speculative_tps"]["median"], 1), _identical(c)]
         for c in data["cells"]
@@ -153,7 +156,8 @@ def category_rows(data: dict) -> list[list]:
 def curve_figure(data: dict) -> go.Figure:
     fig = go.Figure()
     for i, fit in enumerate(data["fits"]):
-        stop = f" p≥{fit['p_min']:g}" if fit.get("p_min") else ""
+        stop = (f" p≥{fit['p_min']:g}" if fit.get("p_min") else "") + (f" k{fit['topk']}" if fit.get("topk", 1) > 1
+                                                                          else "")  # fmt: skip
         color, name = COLORS[i % len(COLORS)], f"{fit['drafter']} T={fit['temperature']}{stop}"
         curve = fit["curve"]
         gammas = [p["gamma"] for p in curve]
@@ -214,10 +218,11 @@ def snippets_markdown(data: dict) -> str:
 
 # The Lab's own fields (elem ids lab-field-<name>); a Settings field the sweep sets from them is marked on them
 LAB_FIELDS = {"gammas": "γ values", "temperatures": "temperatures", "drafters": "drafters",
-              "p_mins": "confidence stops", "categories": "task categories", "per_category": "prompts per category",
+              "p_mins": "confidence stops", "topks": "tree widths", "categories": "task categories",
+              "per_category": "prompts per category",
               "repeats": "A/B repeats", "max_new_tokens": "max new tokens", "concurrency": "concurrency"}  # fmt: skip
 LAB_FIELDS |= prompt_sets.FIELDS  # the prompt set's: a file, a dataset, the sample seed, the held-out share
-SWEPT = {"gamma": "gammas", "temperature": "temperatures", "drafter": "drafters", "p_min": "p_mins",
+SWEPT = {"gamma": "gammas", "temperature": "temperatures", "drafter": "drafters", "p_min": "p_mins", "topk": "topks",
          "max_new_tokens": "max_new_tokens"}  # fmt: skip
 OUTPUTS = 10  # what it used, verdict, tables, charts, snippets, files: before the status line and field marks
 
@@ -242,9 +247,9 @@ def marked(exc: UserError) -> tuple[str, str]:
 
 
 def plan(gammas, temperatures, drafters, categories, per_category, repeats, sweep_max_new_tokens, concurrency,
-         p_mins, form, prompt_set: dict | None = None) -> tuple:  # fmt: skip
-    """The sweep's values checked: (base settings, prompts, gammas, temperatures, confidence stops, load levels);
-    a UserError that names the field at fault otherwise."""
+         p_mins, form, prompt_set: dict | None = None, topks="1") -> tuple:  # fmt: skip
+    """The sweep's values checked: (base settings, prompts, gammas, temperatures, (confidence stops, tree widths),
+    load levels); a UserError that names the field at fault otherwise."""
     try:
         temps = [float(t) for t in str(temperatures or "").replace(" ", "").split(",") if t]
     except ValueError:
@@ -255,6 +260,11 @@ def plan(gammas, temperatures, drafters, categories, per_category, repeats, swee
     except ValueError:
         raise UserError(f"confidence stops {p_mins!r}: write numbers from 0 to 1 separated by commas, e.g. "
                         "0, 0.5.", field="p_mins") from None  # fmt: skip
+    try:
+        widths = [int(k) for k in str(topks or "1").replace(" ", "").split(",") if k] or [1]
+    except ValueError:
+        raise UserError(f"tree widths {topks!r}: write whole numbers from 1 to 8 separated by commas, e.g. 1, 3.",
+                        field="topks") from None  # fmt: skip
     missing = [name for name, v in (("gammas", gammas), ("temperatures", temps), ("drafters", drafters),
                                     ("categories", categories)) if not v]  # fmt: skip
     if missing:
@@ -266,7 +276,7 @@ def plan(gammas, temperatures, drafters, categories, per_category, repeats, swee
                         "sweep them one at a time.", field="drafters")  # fmt: skip
     first = named[0] if named else drafters[0]
     axes = dict(drafter=first, gamma=min(int(g) for g in gammas), temperature=temps[0],
-                max_new_tokens=sweep_max_new_tokens)  # fmt: skip
+                max_new_tokens=sweep_max_new_tokens, topk=widths[0] if first == "eagle3" else 1)  # fmt: skip
     base = settings_from(**(form | axes))
     prompts = prompt_sets.chosen(categories, per_category, **(prompt_set or {}))  # the task suite, a file, a dataset
     if not 1 <= int(repeats) <= 10:
@@ -275,7 +285,7 @@ def plan(gammas, temperatures, drafters, categories, per_category, repeats, swee
     if levels and base.backend == "transformers":
         raise UserError("a load curve needs a serving backend: choose vLLM on the Playground, or leave "
                         "concurrency empty.", field="backend")  # fmt: skip
-    return base, prompts, sorted(int(g) for g in gammas), temps, stops, levels
+    return base, prompts, sorted(int(g) for g in gammas), temps, (stops, widths), levels
 
 
 def with_progress(work):
@@ -307,7 +317,8 @@ def with_progress(work):
 
 def run_sweep(
     gammas, temperatures, drafters, categories, per_category, repeats, sweep_max_new_tokens, concurrency,
-    p_mins="0", prompts_file=None, dataset="", sample_seed="", held_out=0, request: gr.Request = None, **form,
+    p_mins="0", prompts_file=None, dataset="", sample_seed="", held_out=0, topks="1", request: gr.Request = None,
+    **form,
 ):  # fmt: skip
     """Sweep the grid over the chosen task categories, on the Playground's pair and sampling settings (`form`;
     its drafter, γ, temperature and max new tokens give way to the sweep's own).
@@ -315,10 +326,9 @@ def run_sweep(
     status line, then the results. A refused value is marked under its field, as on the Playground."""
     keep = (gr.skip(),) * OUTPUTS
     try:
-        base, prompts, gammas, temps, stops, levels = plan(gammas, temperatures, drafters, categories, per_category,
-                                                           repeats, sweep_max_new_tokens, concurrency, p_mins, form,
-                                                           dict(file=prompts_file, dataset=dataset, seed=sample_seed,
-                                                                held_out=held_out))  # fmt: skip
+        base, prompts, gammas, temps, options, levels = plan(
+            gammas, temperatures, drafters, categories, per_category, repeats, sweep_max_new_tokens, concurrency,
+            p_mins, form, dict(file=prompts_file, dataset=dataset, seed=sample_seed, held_out=held_out), topks)
     except UserError as exc:
         yield (*keep, *marked(exc))
         raise api_error(exc) from None
@@ -327,7 +337,7 @@ def run_sweep(
     yield (*keep, render.status_line("starting the sweep"), "")
 
     try:
-        data = yield from _measure(base, prompts, gammas, temps, drafters, repeats, stops, levels, stop)
+        data = yield from _measure(base, prompts, gammas, temps, drafters, repeats, options, levels, stop)
     except Stopped:
         yield (*keep, render.status_line("stopped: nothing was saved; run again with fewer cells for a quicker "
                                          "answer"), "")  # fmt: skip
@@ -341,15 +351,16 @@ def run_sweep(
     yield (*results(data, base, prompts, repeats), render.status_line("done: the results are below"), "")
 
 
-def _measure(base, prompts, gammas, temps, drafters, repeats, stops, levels, stop):
+def _measure(base, prompts, gammas, temps, drafters, repeats, options, levels, stop):
     """The sweep, then the load curve of its best setting where levels were asked for; yields status lines."""
+    stops, widths = options
 
     def work(say):
         data = ENGINE.call(sweep, base, prompts, gammas, temps, list(drafters), int(repeats), say, stop,
-                           p_mins=stops)  # fmt: skip
+                           p_mins=stops, topks=widths)  # fmt: skip
         best = report.best_setting(data)
         if levels and best:
-            under_load = replace(base, **{k: best[k] for k in ("drafter", "gamma", "temperature", "p_min")})
+            under_load = replace(base, **{k: best[k] for k in ("drafter", "gamma", "temperature", "p_min", "topk")})
             flat = [p for ps in prompts.first_turns().values() for p in ps]
             data["load"] = load_curve(under_load, flat, levels, int(repeats), say)
         return data
@@ -372,7 +383,7 @@ def results(data: dict, base: Settings, prompts, repeats) -> tuple:
     curve, categories = curve_figure(data), category_figure(data)
     paths.append(write_charts(folder, curve, categories))
     verdicts = "\n".join(f"- **{f['drafter']}, temperature {f['temperature']}"
-                         + (f", confidence stop {f['p_min']:g}" if f.get("p_min") else "")
+                         + option_label(f.get("p_min", 0.0), f.get("topk", 1))
                          + f"**: {f['verdict']}" for f in data["fits"])  # fmt: skip
     verdicts += "".join(f"\n\n⚠ Best setting: {note}." for note in (best["notes"] if best else []))
     verdicts += f"\n\n{report.prompt_set_line(data)}" + timing_line(data)
@@ -440,7 +451,8 @@ def stop(request: gr.Request) -> str:
 
 def wire(ui: SimpleNamespace, play: SimpleNamespace) -> None:
     inputs = [ui.gammas, ui.temperatures, ui.drafters, ui.categories, ui.per_category, ui.repeats, ui.max_new_tokens,
-              ui.concurrency, ui.p_mins, ui.prompts_file, ui.dataset, ui.sample_seed, ui.held_out]  # fmt: skip
+              ui.concurrency, ui.p_mins, ui.prompts_file, ui.dataset, ui.sample_seed, ui.held_out,
+              ui.topks]  # fmt: skip
     outputs = [ui.uses, ui.verdict, ui.cells, ui.curve, ui.category_chart, ui.category_table, ui.load_chart,
                ui.load_table, ui.snippets, ui.files, ui.status, ui.form_error]  # fmt: skip
     # as the Playground: messages in the Lab's status line and under the fields, no progress overlay or toast

@@ -13,7 +13,7 @@ import gradio as gr
 from app import handlers, render
 from app.gpu import on_gpu
 from engine import presets
-from engine.settings import BUNDLED, DTYPES, MAX_GAMMA, STRICT, max_new_tokens_cap
+from engine.settings import BUNDLED, DTYPES, MAX_GAMMA, MAX_TOPK, STRICT, max_new_tokens_cap
 
 log = logging.getLogger("specarena")
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -92,6 +92,9 @@ def build_settings(ui: SimpleNamespace) -> None:
                                "stop drafting where the draft's top probability falls below this"),
                "speculation")  # fmt: skip
         widget("draft_min", number(0, "shortest draft (0 = any, up to γ)", precision=0), "speculation")
+        widget("topk", number(1, f"EAGLE-3 tree: candidates per position (1 = a chain, up to {MAX_TOPK})",
+                              "above 1 the head drafts a tree γ deep and the target verifies the nodes that pay "
+                              "for their rows on this machine (EAGLE-2)", precision=0), "speculation")  # fmt: skip
         widget("alpha", number(0.8, "synthetic drafter: α (0-1)"), "speculation")
     with gr.Accordion("sampling and length", open=True, elem_id="group-sampling") as ui.accordions["sampling"]:
         widget("max_new_tokens", number(128, f"max new tokens (1-{max_new_tokens_cap()})", precision=0),

@@ -4,7 +4,8 @@ Speculative tokens are coloured by origin: accepted draft token, the target's co
 token after a fully accepted draft, or a plain target token (prefill, or a step without a draft).
 Rejected draft proposals are always in the HTML, struck through, and shown only when the
 "show rejected drafts" box is ticked (pure CSS, so toggling needs no re-render). Only the first of them
-was tested and rejected; the ones after it were never checked, and are labelled so.
+was tested and rejected; the ones after it were never checked, and are labelled so. A draft tree's rejected tokens
+are the candidates the target turned down at one position, each tested.
 """
 
 from __future__ import annotations
@@ -46,11 +47,16 @@ def _probs(s: StepEvent, i: int) -> str:
 
 
 def _rejected(s: StepEvent) -> str:
-    """The draft tokens the target did not keep: the first was tested and rejected, the rest never checked."""
+    """The draft tokens the target did not keep: the first was tested and rejected, the rest never checked; a tree's
+    are the candidates for one position, all tested."""
     out = []
     for j, piece in enumerate(s.rejected_pieces):
         k = s.accepted + j
-        if j == 0:
+        if s.tree:
+            many = len(s.rejected_pieces)
+            kind, title = "rej", (f"step {s.step}, draft position {s.accepted + 1}: tree candidate {j + 1} of {many}, "
+                                  f"rejected, {_probs(s, k)}")  # fmt: skip
+        elif j == 0:
             kind, title = "rej", f"step {s.step}, draft position {k + 1}: rejected, {_probs(s, k)}"
         else:
             kind, title = "unk", f"step {s.step}, draft position {k + 1}: not checked (a draft token before it failed)"
@@ -219,11 +225,13 @@ def summary(
             _fmt(spec.acceptance_rate, ".1%"),
             f"{spec.accepted_tokens}/{spec.drafted_tokens} drafted · α per tested token {_fmt(spec.alpha, '.2f')}",
         ),
-        _card("tokens per target pass", f"{spec.mean_accepted_length:.2f}", "baseline: 1.00"),
+        _card("tokens per target pass", f"{spec.mean_accepted_length:.2f}",
+              "baseline: 1.00" + (f" · {spec.tree_nodes:.1f} tree nodes verified" if spec.tree_nodes else "")),
         _card("tokens/s", f"{spec.tokens_per_s:.1f}", f"baseline {base.tokens_per_s:.1f}"),
         _card("time to first token", f"{spec.ttft_s * 1000:.0f} ms", f"baseline {base.ttft_s * 1000:.0f} ms"),
         _card("target passes saved", str(saved), f"{spec.target_passes} vs {base.target_passes}"),
-        _card("cost ratio c", _fmt(spec.cost_ratio_c, ".3f"), "draft token / verify pass"),
+        _card("cost ratio c", _fmt(spec.cost_ratio_c, ".3f"),
+              ("drafter pass" if spec.tree_nodes else "draft token") + " / verify pass"),
     ]
     doubt = ""
     if suspect:

@@ -53,6 +53,9 @@ def add_sampling_args(p: argparse.ArgumentParser, sweep: bool = False) -> None:
     p.add_argument("--p-min", default="0", help="draft model: stop drafting where its top probability falls below this"
                    + (" (comma-separated values: a sweep axis)" if sweep else "") + " (0 = off)")
     p.add_argument("--draft-min", type=int, default=0, help="shortest draft worth verifying (0 = any)")
+    p.add_argument("--topk", default="1", help="EAGLE-3 head: candidates per draft position; above 1 it drafts a tree "
+                   "(EAGLE-2), gamma deep, keeping the nodes that pay for their rows (transformers backend)"
+                   + (" (comma-separated values: a sweep axis)" if sweep else ""))
     p.add_argument(
         "--adaptive",
         action="store_true",
@@ -172,7 +175,7 @@ def settings_from(args: argparse.Namespace, **overrides):
         seed=args.seed, chat=args.chat, dtype=args.dtype, device=args.device, ngram=args.ngram, alpha=args.alpha,
         adaptive=args.adaptive, compile=args.compile, backend=args.backend,
         p_min=(_numbers(str(args.p_min), float, "p-min") or [0.0])[0], draft_min=args.draft_min,
-        strict=getattr(args, "strict", "auto"),
+        strict=getattr(args, "strict", "auto"), topk=(_numbers(str(args.topk), int, "topk") or [1])[0],
     )  # fmt: skip
     return Settings(**(values | overrides))
 
@@ -189,7 +192,7 @@ def summary(result) -> str:
     lines = [
         f"target {req.target} on {env['device']} ({env['dtype']}), drafter {req.drafter}"
         + (f" {req.draft}" if req.draft else "")
-        + f", gamma {req.gamma}, {sampling}",
+        + f", gamma {req.gamma}" + (f", tree top-{req.topk}" if req.topk > 1 else "") + f", {sampling}",
         f"{'':22}{'baseline':>12}{'speculative':>14}",
         f"{'tokens/s':22}{b.tokens_per_s:12.1f}{s.tokens_per_s:14.1f}",
         f"{'time to first token':22}{b.ttft_s * 1000:10.0f}ms{s.ttft_s * 1000:12.0f}ms",
@@ -198,8 +201,10 @@ def summary(result) -> str:
         f"speedup {_fmt(result.speedup)}x (predicted {_fmt(s.predicted_speedup)}x), "
         f"acceptance {_fmt(s.acceptance_rate, '.1%')} (alpha {_fmt(s.alpha)}), "
         f"{s.mean_accepted_length:.2f} tokens per target pass, "
-        f"c = {_fmt(s.cost_ratio_c, '.3f')}",
+        f"c = {_fmt(s.cost_ratio_c, '.3f')}" + (" per drafter pass" if s.tree_nodes else ""),
     ]
+    if s.tree_nodes:
+        lines.append(f"draft trees: {s.tree_nodes:.1f} nodes verified per target pass")
     strict = env.get("strict") or {}
     if strict.get("width"):
         lines.append(f"strict mode: every target pass {strict['width']} rows wide ({strict_cost(strict)})")
@@ -267,6 +272,7 @@ def cmd_bench(args) -> int:
     gammas = _numbers(args.gamma, int, "gamma")
     args.temperature = temperatures[0]
     p_mins = _numbers(args.p_min, float, "p-min")
+    topks = _numbers(args.topk, int, "topk")
     base = settings_from(args, gamma=gammas[0])
     prompts = bench_prompts(args)
     try:
@@ -298,15 +304,17 @@ def cmd_bench(args) -> int:
                     print(f"== backend {on.backend}: {', '.join(skipped)} not run (not a drafter of this engine)")
                 if not runs_here:
                     continue
-                runs[on.backend] = bench.sweep(on, prompts, gammas, temperatures, runs_here, args.repeats, _progress,
-                                               p_mins=p_mins)  # fmt: skip
+                trees = topks if on.backend == "transformers" else [1]  # the servers verify chains here
+                runs[on.backend] = bench.sweep(replace(on, topk=trees[0]), prompts, gammas, temperatures, runs_here,
+                                               args.repeats, _progress, p_mins=p_mins, topks=trees)  # fmt: skip
                 print(f"== backend {on.backend}\n{sweep_table(runs[on.backend])}")
             data = {"kind": "backends", "runs": runs}
             if len(runs) > 1:
                 print(f"== side by side\n{backends_table(runs)}")
         else:
             drafters = args.drafters.split(",") if args.drafters else [base.drafter]
-            data = bench.sweep(base, prompts, gammas, temperatures, drafters, args.repeats, _progress, p_mins=p_mins)
+            data = bench.sweep(base, prompts, gammas, temperatures, drafters, args.repeats, _progress, p_mins=p_mins,
+                               topks=topks)  # fmt: skip
             print(sweep_table(data))
     except Stopped:
         return 130
@@ -360,7 +368,8 @@ def sweep_table(data: dict) -> str:
              f"{'tok/s spec':>12}  identical"]  # fmt: skip
     for c in data["cells"]:
         accept = c["acceptance_rate"]["median"]
-        drafter = c["drafter"] + (f" p{c['p_min']:g}" if c.get("p_min") else "")
+        drafter = c["drafter"] + (f" p{c['p_min']:g}" if c.get("p_min") else "") + (
+            f" k{c['topk']}" if c.get("topk", 1) > 1 else "")
         lines.append(
             f"{drafter:15}{c['gamma']:>6}{c['temperature']:>6}  {_spread(c['speedup'], '.2f', 'x'):22}"
             f"{'-' if accept is None else f'{accept:.2f}':>8}{c['baseline_tps']['median']:>12.1f}"
@@ -372,7 +381,7 @@ def sweep_table(data: dict) -> str:
                 lines.append(f"    {name:25}{_spread(stats['speedup'], '.2f', 'x'):22}"
                              f"{'-' if acc is None else f'{acc:.2f}':>8}")  # fmt: skip
     for fit in data["fits"]:
-        stop = f", confidence stop {fit['p_min']:g}" if fit.get("p_min") else ""
+        stop = report.option_label(fit.get("p_min", 0.0), fit.get("topk", 1))
         lines.append(f"{fit['drafter']} at temperature {fit['temperature']}{stop}: {fit['verdict']}")
     best = report.best_setting(data)
     if best:
@@ -395,10 +404,11 @@ def backends_table(runs: dict) -> str:
     rows: dict[tuple, dict] = {}
     for backend, data in runs.items():
         for c in data["cells"]:
-            rows.setdefault((c["drafter"], c["gamma"], c["temperature"], c.get("p_min", 0.0)), {})[backend] = c
+            rows.setdefault((c["drafter"], c["gamma"], c["temperature"], c.get("p_min", 0.0), c.get("topk", 1)),
+                            {})[backend] = c  # fmt: skip
     lines = [f"{'drafter':12}{'gamma':>6}{'temp':>6}  {'backend':14}{'tok/s base':>11}{'tok/s spec':>11}{'speedup':>9}"
              f"{'accept':>8}  acceptance per draft position"]  # fmt: skip
-    for (drafter, gamma, temperature, _), cells in rows.items():
+    for (drafter, gamma, temperature, *_), cells in rows.items():
         for i, (backend, c) in enumerate(cells.items()):
             accept = c["acceptance_rate"]["median"]
             accept = "-" if accept is None else f"{accept:.2f}"

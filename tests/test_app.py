@@ -273,7 +273,7 @@ def test_lab_sweep_handler_fills_tables_charts_and_report(model_dirs):
     # confidence stops are an axis of the draft model only
     assert sorted((row[0], row[3]) for row in cells if row[1] == 1 and row[2] == 0) == [
         ("draft-model", 0.0), ("draft-model", 0.06), ("prompt-lookup", 0.0)]
-    assert len(cells) == 2 * 2 * 3 and {row[7] for row in cells} == {2}  # samples per cell
+    assert len(cells) == 2 * 2 * 3 and {row[8] for row in cells} == {2}  # samples per cell
     assert {row[-1] for row in cells if row[2] == 0.5} == {"-"}  # sampled cells are not compared
     assert {row[-1] for row in cells if row[2] == 0} == {"identical"}
     assert {row[0] for row in categories} == {"rewriting", "creative_writing"}
@@ -325,11 +325,11 @@ def test_out_of_memory_in_generation_is_reported_and_the_next_run_works(model_di
     real = engine.decoding.speculative.forward
     calls = {"n": 0}
 
-    def flaky(model, ids, cache, keep=0, width=0, layers=()):
+    def flaky(model, ids, cache, keep=0, width=0, layers=(), tree=None):
         calls["n"] += 1
         if calls["n"] == 3:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(model, ids, cache, keep, width, layers)
+        return real(model, ids, cache, keep, width, layers, tree)
 
     monkeypatch.setattr(engine.decoding.speculative, "forward", flaky)
     with pytest.raises(gr.Error) as err:

@@ -299,7 +299,7 @@ def test_a_lab_sweep_runs_an_uploaded_multi_turn_file(model_dirs, tmp_path):
     assert plain(status) == "done: the results are below" and mark == ""
     assert "Prompt set: my-traffic.jsonl (sha256:" in verdicts and "1 per category drawn with seed 3" in verdicts
     assert "s per prompt and cell" in verdicts
-    assert cells[0][7] in (3, 4)  # one writing and one maths question, each of one or two turns
+    assert cells[0][8] in (3, 4)  # one writing and one maths question, each of one or two turns
 
 
 def test_the_lab_marks_a_bad_file_under_its_field(model_dirs, tmp_path):

@@ -26,6 +26,7 @@ from engine.decoding.lossless import judge
 from engine.decoding.metrics import RunResult, position_counts
 from engine.errors import UserError
 from engine.measure.promptsets import PromptItem, PromptSet, Skip, as_set, too_long
+from engine.measure.report import option_label
 from engine.settings import TAKES_DRAFT, Settings
 
 Progress = Callable[[int, int, str], None]  # (done, total, what)
@@ -62,6 +63,7 @@ class Sample:
     positions: list[list[int]] = field(default_factory=list)  # per draft position: [reached, kept]
     item: str = ""  # the prompt set's item id
     turn: int = 1  # which turn of a multi-turn question (1 for single-turn prompts)
+    tree_nodes: float | None = None  # draft tree nodes verified per step (None: chains)
 
     @classmethod
     def of(cls, prompt: int, repeat: int, order: str, base: RunResult, spec: RunResult, greedy: bool,
@@ -87,6 +89,7 @@ class Sample:
             drafted=s.drafted_tokens,
             accepted=s.accepted_tokens,
             positions=[list(p) for p in position_counts(spec.steps[1:])],
+            tree_nodes=s.tree_nodes,
         )
 
 
@@ -126,6 +129,7 @@ def _stats(samples: list[Sample]) -> dict:
         "mean_accepted_length": spread([s.mean_accepted_length for s in samples]),
         "baseline_tps": spread([s.baseline_tps for s in samples]),
         "speculative_tps": spread([s.speculative_tps for s in samples]),
+        "tree_nodes": spread([s.tree_nodes for s in samples]),
         "all_identical": _all_identical(samples),
         "lossless": worst_verdict(samples),
     }
@@ -151,12 +155,14 @@ class Cell:
     categories: list[str]  # the category of each sample
     p_min: float = 0.0
     server_command: str = ""  # a server backend's speculative command line, exactly as it ran this cell
+    topk: int = 1  # an EAGLE-3 head's candidates per position (above 1: a draft tree)
 
     def summary(self) -> dict:
         by_category = {}
         for name in dict.fromkeys(self.categories):
             by_category[name] = _stats([s for s, c in zip(self.samples, self.categories) if c == name])
-        head = {"drafter": self.drafter, "gamma": self.gamma, "temperature": self.temperature, "p_min": self.p_min}
+        head = {"drafter": self.drafter, "gamma": self.gamma, "temperature": self.temperature, "p_min": self.p_min,
+                "topk": self.topk}  # fmt: skip
         if self.server_command:
             head["server_command"] = self.server_command
         return head | _stats(self.samples) | {"by_category": by_category, "positions": positions(self.samples)}
@@ -218,7 +224,7 @@ class Session:
         self.ready_for(s)
         ids = self.backend.encode(prompt, s)
         reference = self.reference(prompt, ids) if s.drafter == "synthetic" else []
-        key = (_key(prompt), s.drafter, s.gamma, s.temperature, s.p_min)
+        key = (_key(prompt), s.drafter, s.gamma, s.temperature, s.p_min, s.topk)
         with guarded():
             if key not in self._warm:
                 for status in warm_up(self.backend, ids, s):
@@ -242,11 +248,13 @@ class Session:
         return samples
 
 
-def _cell_settings(base: Settings, drafter: str, gamma: int, temperature: float, p_min: float = 0.0) -> Settings:
+def _cell_settings(base: Settings, drafter: str, gamma: int, temperature: float, p_min: float = 0.0,
+                   topk: int = 1) -> Settings:  # fmt: skip
     draft = base.draft if drafter in TAKES_DRAFT else ""
     draft_min = min(base.draft_min, gamma)
     return replace(base, drafter=drafter, draft=draft, gamma=gamma, temperature=temperature, p_min=p_min,
-                   draft_min=draft_min).validate()  # fmt: skip
+                   draft_min=draft_min, topk=topk).validate()  # fmt: skip
+
 
 
 def _key(prompt: str | list[dict]) -> str:
@@ -293,14 +301,17 @@ def sweep(
     progress: Progress = _quiet,
     stop: threading.Event | None = None,
     p_mins: list[float] | None = None,
+    topks: list[int] | None = None,
 ) -> dict:
-    """Every (drafter, gamma, temperature, confidence stop) cell measured on every prompt of the set (each turn
-    of a multi-turn question its own sample, grouped by category). The confidence stops apply to the draft model
-    only; other drafters run at the first.
+    """Every (drafter, gamma, temperature, confidence stop, tree top-k) cell measured on every prompt of the set
+    (each turn of a multi-turn question its own sample, grouped by category). The confidence stops apply to the
+    draft model only, other drafters run at the first; the tree widths to the EAGLE-3 head only, others draft
+    chains.
 
     A task-suite run is a sweep with one cell: its `by_category` gives speedup and acceptance per task.
     """
     p_mins = p_mins or [base.p_min]
+    topks = topks or [base.topk]
     prompts = as_set(prompts)
     if not prompts.items or not gammas or not temperatures or not drafters:
         raise UserError("a sweep needs at least one prompt, gamma, temperature and drafter.")
@@ -308,8 +319,9 @@ def sweep(
         raise UserError(f"repeats {repeats} is out of range: use 1 or more.")
     if "draft-model" in drafters and not base.draft:
         raise UserError("the sweep includes the draft-model drafter but no draft model is set.")
-    grid = [(d, g, t, p) for d in drafters for t in temperatures for g in gammas
-            for p in (p_mins if d == "draft-model" else p_mins[:1])]  # fmt: skip
+    grid = [(d, g, t, p, k) for d in drafters for t in temperatures for g in gammas
+            for p in (p_mins if d == "draft-model" else p_mins[:1])
+            for k in (topks if d == "eagle3" else [1])]  # fmt: skip
     for cell in grid:  # every cell's settings are checked before hours of measuring start
         _cell_settings(base, *cell)
     started = time.perf_counter()
@@ -318,11 +330,11 @@ def sweep(
     answers: dict[tuple[str, int, float], str] = {}  # (item, turn, temperature) -> the model's answer, sweep-wide
     late: list[Skip] = []  # later turns that outgrew the context
     total, done, cells = len(grid) * prompts.turns(), 0, []
-    for drafter, gamma, temperature, p_min in grid:
+    for drafter, gamma, temperature, p_min, topk in grid:
         samples, categories = [], []
         session.memory.clear()  # each cell's prompts start from the same (empty) session
-        stops = f", confidence stop {p_min:g}" if p_min else ""
-        cell = _cell_settings(base, drafter, gamma, temperature, p_min)
+        stops = option_label(p_min, topk)
+        cell = _cell_settings(base, drafter, gamma, temperature, p_min, topk)
         for i, item in enumerate(prompts.items):
             for turn in range(len(item.turns)):
                 turn_name = f" turn {turn + 1}" if len(item.turns) > 1 else ""
@@ -344,12 +356,12 @@ def sweep(
                 samples += [replace(x, item=item.id, turn=turn + 1) for x in got]
                 categories += [item.category] * len(got)
         command = getattr(session.backend, "command_line", lambda: "")()
-        cells.append(Cell(drafter, gamma, temperature, samples, categories, p_min, command))
+        cells.append(Cell(drafter, gamma, temperature, samples, categories, p_min, command, topk))
     progress(total, total, "done")
     from engine.measure.predict import fit_all
 
     settings = _settings(base, prompts, repeats) | {"gammas": gammas, "temperatures": temperatures,
-                                                    "drafters": drafters, "p_mins": p_mins}  # fmt: skip
+                                                    "drafters": drafters, "p_mins": p_mins, "topks": topks}  # fmt: skip
     measured = sum(len(c.samples) for c in cells) // repeats
     wall = time.perf_counter() - started
     described = prompts.describe() | {"skipped": [asdict(k) for k in prompts.skipped + late]}

@@ -91,6 +91,7 @@ def fit(cells: list) -> dict:
         "drafter": cells[0].drafter,
         "temperature": cells[0].temperature,
         "p_min": cells[0].p_min,
+        "topk": cells[0].topk,
         "alpha": alpha,
         "alpha_by_position": alphas,
         "cost_ratio_c": c if ratios else None,
@@ -146,8 +147,8 @@ def verdict(alpha, c, verify, best_gamma, measured, best_predicted, c_known: boo
 
 
 def fit_all(cells: list) -> list[dict]:
-    """A fit per (drafter, temperature, confidence stop) found among the cells."""
+    """A fit per (drafter, temperature, confidence stop, tree top-k) found among the cells."""
     groups: dict[tuple, list] = {}
     for cell in cells:
-        groups.setdefault((cell.drafter, cell.temperature, cell.p_min), []).append(cell)
+        groups.setdefault((cell.drafter, cell.temperature, cell.p_min, cell.topk), []).append(cell)
     return [fit(group) for group in groups.values()]

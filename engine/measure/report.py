@@ -36,6 +36,8 @@ def best_setting(report: dict) -> dict | None:
     best = ranked[0]
     return {k: best[k] for k in ("drafter", "gamma", "temperature")} | {
         "p_min": best.get("p_min", 0.0),
+        "topk": best.get("topk", 1),
+        "tree_nodes": (best.get("tree_nodes") or {}).get("median"),
         "server_command": best.get("server_command", ""),
         "speedup": best["speedup"]["median"],
         "samples": best["speedup"].get("n"),
@@ -58,6 +60,11 @@ def trust_notes(best: dict, runner_up: dict | None) -> list[str]:
                 "do not tell the two apart"
             )
     return notes
+
+
+def option_label(p_min: float = 0.0, topk: int = 1) -> str:
+    """A cell's drafter options in words, for progress lines and reports ("" when it has none)."""
+    return (f", confidence stop {p_min:g}" if p_min else "") + (f", tree top-{topk}" if topk > 1 else "")
 
 
 def hub_name(spec: str) -> str:
@@ -104,12 +111,15 @@ def head_snippets(settings: dict, best: dict) -> dict[str, str]:
     target, head, gamma, method = hub_name(settings["target"]), settings["draft"], best["gamma"], best["drafter"]
     config = {"method": method, "model": head, "num_speculative_tokens": gamma}
     algorithm = "EAGLE3" if method == "eagle3" else "DFLASH"
-    chain = f" --speculative-num-steps {gamma} --speculative-eagle-topk 1" if method == "eagle3" else ""
+    topk, verified = best.get("topk", 1), gamma + 1
+    if topk > 1 and best.get("tree_nodes"):  # SGLang grows EAGLE-2 trees too; vLLM and llama.cpp verify the chain
+        verified = round(best["tree_nodes"]) + 1
+    chain = f" --speculative-num-steps {gamma} --speculative-eagle-topk {topk}" if method == "eagle3" else ""
     name = Path(head.rstrip("/")).name
     return {
         "vllm": f"vllm serve {target} --speculative-config '{json.dumps(config)}'",
         "sglang": f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algorithm} "
-        f"--speculative-draft-model-path {head}{chain} --speculative-num-draft-tokens {gamma + 1}",
+        f"--speculative-draft-model-path {head}{chain} --speculative-num-draft-tokens {verified}",
         "llama.cpp": f"python convert_hf_to_gguf.py {shlex.quote(head)} --target-model-dir TARGET_HF_FOLDER "
         f"--outfile {name}.gguf\nllama-server -m {target.split('/')[-1]}.gguf -md {name}.gguf "
         f"--spec-type draft-{method} --spec-draft-n-max {gamma}",
@@ -121,7 +131,7 @@ def _cell(settings: dict, best: dict):
     from engine.settings import Settings
 
     known = {k: v for k, v in settings.items() if k in Settings.names()}
-    return Settings(**known | {k: best[k] for k in ("drafter", "gamma", "temperature", "p_min")})
+    return Settings(**known | {k: best[k] for k in ("drafter", "gamma", "temperature", "p_min", "topk")})
 
 
 def llama_server(settings: dict, best: dict) -> str:
@@ -198,12 +208,12 @@ def snippets_markdown(report: dict) -> str:
     if best is None:
         return ("No setting to take elsewhere: only synthetic cells (a measuring tool) were measured.\n\n"
                 + prompt_set_line(report) + "\n")  # fmt: skip
-    stop = f", confidence stop {best['p_min']:g}" if best["p_min"] else ""
+    stop = option_label(best["p_min"], best["topk"])
     lines = [f"# Best setting: {best['drafter']}, gamma {best['gamma']}, temperature {best['temperature']}{stop}: "
              f"{best['speedup']:.2f}x measured over {best['samples']} samples\n", prompt_set_line(report) + "\n"]
     lines += [f"> Note: {note}." for note in best["notes"]]
     for fit in report.get("fits", []):
-        stop = f", confidence stop {fit['p_min']:g}" if fit.get("p_min") else ""
+        stop = option_label(fit.get("p_min", 0.0), fit.get("topk", 1))
         lines.append(f"- {fit['drafter']} at temperature {fit['temperature']}{stop}: {fit['verdict']}")
     for name, code in snippets(report).items():
         lines += ["", f"## {name}", "", "```", code, "```"]
