@@ -24,6 +24,16 @@ PARENTS = [-1, -1, 0, 2, 1, 1, 4]
 TOKENS = [11, 12, 13, 14, 15, 16, 17]
 
 
+CONTEXT = list(range(20, 40))
+
+
+def _primed(model, context=CONTEXT):
+    """A cache holding `context`, the pass that verifies a draft next."""
+    cache = new_cache(model, 64)
+    forward(model, context, cache, keep=1)
+    return cache
+
+
 def _target(lean: bool):
     model = tiny_llama(layers=3, seed=2)
     if lean:
@@ -52,16 +62,11 @@ def test_tree_shape_helpers():
 @pytest.mark.parametrize("lean", [False, True])
 def test_a_tree_pass_scores_each_node_as_its_branch_alone(lean):
     model = _target(lean)
-    context = list(range(20, 40))
     with torch.inference_mode():
-        cache = new_cache(model, 64)
-        forward(model, context, cache, keep=1)
-        logits, features = forward(model, [5] + TOKENS, cache, layers=(1, 3), tree=PARENTS)
+        logits, features = forward(model, [5] + TOKENS, _primed(model), layers=(1, 3), tree=PARENTS)
         for node in range(-1, len(TOKENS)):
             path = [TOKENS[i] for i in branch(PARENTS, node)] if node >= 0 else []
-            alone = new_cache(model, 64)
-            forward(model, context, alone, keep=1)
-            ref_logits, ref_features = forward(model, [5] + path, alone, layers=(1, 3))
+            ref_logits, ref_features = forward(model, [5] + path, _primed(model), layers=(1, 3))
             torch.testing.assert_close(logits[node + 1], ref_logits[-1], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(features[node + 1], ref_features[-1], rtol=1e-5, atol=1e-5)
 
@@ -69,17 +74,14 @@ def test_a_tree_pass_scores_each_node_as_its_branch_alone(lean):
 @pytest.mark.parametrize("lean", [False, True])
 def test_the_cache_keeps_the_branch_taken_as_if_it_came_alone(lean):
     model = _target(lean)
-    context = list(range(20, 40))
     with torch.inference_mode():
-        cache = new_cache(model, 64)
-        forward(model, context, cache, keep=1)
+        cache = _primed(model)
         forward(model, [5] + TOKENS, cache, tree=PARENTS)
         kept = [0] + [i + 1 for i in branch(PARENTS, 6)]  # root, nodes 1, 4, 6
-        keep_rows(cache, len(context), kept)
-        assert cache.get_seq_length() == len(context) + 4
+        keep_rows(cache, len(CONTEXT), kept)
+        assert cache.get_seq_length() == len(CONTEXT) + 4
         after = forward(model, [3], cache)
-        alone = new_cache(model, 64)
-        forward(model, context + [5, 12, 15, 17], alone, keep=1)
+        alone = _primed(model, CONTEXT + [5, 12, 15, 17])
         torch.testing.assert_close(after, forward(model, [3], alone), rtol=1e-5, atol=1e-5)
 
 
