@@ -139,8 +139,8 @@ def uses_markdown(s: Settings, prompts: int = 0, repeats: int = 0) -> str:
 def best_cell(data: dict) -> dict:
     """The best real drafter's cell (report.best_setting), or the best of all when only synthetic ones ran."""
     best = report.best_setting(data)
-    keys = ("drafter", "gamma", "temperature")
-    matches = [c for c in data["cells"] if best and all(c[k] == best[k] for k in keys)]
+    keys = {"drafter": None, "gamma": None, "temperature": None, "p_min": 0.0, "topk": 1}  # key: its default
+    matches = [c for c in data["cells"] if best and all(c.get(k, d) == best.get(k, d) for k, d in keys.items())]
     return matches[0] if matches else max(data["cells"], key=lambda c: c["speedup"]["median"] or 0)
 
 

@@ -385,8 +385,9 @@ def sweep_table(data: dict) -> str:
         lines.append(f"{fit['drafter']} at temperature {fit['temperature']}{stop}: {fit['verdict']}")
     best = report.best_setting(data)
     if best:
-        lines.append(f"best: {best['drafter']}, gamma {best['gamma']}, temperature {best['temperature']}, "
-                     f"{best['speedup']:.2f}x over {best['samples']} samples")  # fmt: skip
+        lines.append(f"best: {best['drafter']}, gamma {best['gamma']}, temperature {best['temperature']}"
+                     f"{report.option_label(best['p_min'], best['topk'])}, {best['speedup']:.2f}x over "
+                     f"{best['samples']} samples")  # fmt: skip
         lines += [f"  note: {note}" for note in best["notes"]]
         if best["server_command"]:
             lines.append(f"  measured with: {best['server_command']}")

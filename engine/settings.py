@@ -160,16 +160,18 @@ class Settings:
     def _check_tree(self, bad) -> None:
         """A draft tree (topk > 1) runs where its passes can: an EAGLE-3 head in this process, over a growing cache."""
         if self.drafter != "eagle3":
-            bad("topk", "above 1 drafts a tree, which the EAGLE-3 head does: pick the eagle3 drafter, or set it to 1.")
+            bad("topk", f"{self.topk} makes a tree, which only the EAGLE-3 head drafts: pick the eagle3 drafter, or "
+                "set it to 1.")
         if self.backend != "transformers":
-            bad("topk", f"above 1 drafts a tree, which runs on the transformers backend only here ({self.backend} "
-                "verifies chains): set it to 1, or choose backend transformers.")
+            bad("topk", f"{self.topk} makes a tree, which runs on the transformers backend only ({self.backend} "
+                "verifies chains here): set it to 1, or choose backend transformers.")
         if self.strict == "on":
-            bad("topk", "above 1 drafts a tree, whose verify passes strict mode cannot pad to one width: set it to 1, "
-                "or strict mode to auto (16-bit ids may then part by rounding, which the verdict tells from a bug).")
+            bad("topk", f"{self.topk} makes a tree, whose verify passes strict mode cannot pad to one width: set it "
+                "to 1, or strict mode to auto (16-bit ids may then part by rounding, which the verdict tells from a "
+                "bug).")
         if self.compile:
-            bad("topk", "above 1 drafts a tree, which compiled passes (a static cache) do not run: set it to 1, or "
-                "turn compile off.")
+            bad("topk", f"{self.topk} makes a tree, which compiled passes (a static cache) do not run: set it to 1, "
+                "or turn compile off.")
 
 
 def check_prompt(prompt) -> str:

@@ -318,6 +318,52 @@ def test_suffix_memory_fills_with_runs_and_is_cleared_from_the_page(own_page):
     wait_status(own_page, "cleared: 0 tokens")
 
 
+@pytest.fixture(scope="module")
+def random_head_folder():
+    """A random EAGLE-3 head for the bundled model where the app reads heads (engine.policy.forged_heads)."""
+    import tempfile
+
+    import torch
+
+    from engine import policy
+    from engine.models.heads import random_head, write_head
+    from engine.models.loading import MODELS
+    from engine.settings import BUNDLED
+
+    policy.forged_heads().mkdir(parents=True, exist_ok=True)
+    folder = tempfile.mkdtemp(prefix="browser-tree-", dir=policy.forged_heads())
+    target = MODELS.get(BUNDLED, "float32")
+    head = random_head(target.model, "eagle3", draft_vocab=4096, norm_before_residual=True, seed=3)
+    with torch.no_grad():
+        head.norm.weight.mul_(3.0)  # confident enough for its first candidates to be worth a row on any machine
+    write_head(head, folder, "speculators-eagle3")
+    MODELS.drop(BUNDLED, "float32")
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_tree_of_head_candidates_runs_lossless_and_shows_the_ones_turned_down(own_page, random_head_folder):
+    """EAGLE-3 with a tree width of 3 from the sidebar: the run stays identical, the summary counts the tree nodes
+    verified, and "show rejected drafts" shows the candidates the target turned down, each marked a tree candidate."""
+    choose(own_page, "drafter", "EAGLE-3 head")
+    own_page.fill("#field-draft [data-testid=textbox]", random_head_folder)
+    set_number(own_page, "gamma", 2)
+    set_number(own_page, "topk", 3)
+    own_page.fill("#field-prompt [data-testid=textbox]", REWRITE)
+    set_max_new_tokens(own_page, 16)
+    own_page.click("#run")
+    wait_status(own_page, "run 1", "done in")
+    summary = own_page.inner_text("#summary")
+    assert "outputs identical" in summary and "tree nodes verified" in summary
+    own_page.check("#show-rejected input")
+    titles = own_page.eval_on_selector_all("#spec-pane s.sa-rej", "els => els.map(e => e.title)")
+    assert titles and all("tree candidate" in t and ", rejected" in t for t in titles)  # each one tested
+    set_number(own_page, "topk", 9)
+    own_page.click("#run")
+    own_page.wait_for_selector("#form-error [data-field=topk]")
+    assert "9 is out of range: use 1 (a chain) to 8" in field_message(own_page, "topk")
+
+
 @pytest.mark.llamacpp
 def test_a_run_on_llama_cpp_from_the_page(own_page):
     choose(own_page, "backend", "llama.cpp")

@@ -125,14 +125,20 @@ def test_a_forged_head_loads_and_runs_lossless(forged):
     assert [i.id for i in written.items] == summary["prompts"]["held_out_ids"] == summary["pays"]["prompts"]
     card = (Path(cfg.out) / "README.md").read_text()
     assert "Validation acceptance" in card and summary["machine"] in card
-    # one draft length proposed everywhere: the head's row measured fastest, in the config, the card and the Lab
+    # one draft length proposed everywhere: the fastest chain's in the config and the card's engine lines (vLLM and
+    # llama.cpp verify chains), the fastest row's, tree or chain, for SpecArena's own engine and the Lab's button
     from app.forge_panel import head_of
 
-    fastest = max(rows, key=lambda r: r["speedup"])["gamma"]
-    assert summary["pays"]["recommended"]["gamma"] == fastest
-    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == fastest
-    assert f"- proposed gamma {fastest}:" in card and f'"num_speculative_tokens":{fastest}' in card
-    assert head_of(summary, cfg.out)["gamma"] == fastest
+    assert {r["topk"] for r in rows} == {1, 3}
+    fastest = max(rows, key=lambda r: r["speedup"])
+    chain = max((r for r in rows if r["topk"] == 1), key=lambda r: r["speedup"])["gamma"]
+    assert summary["pays"]["recommended"] == fastest and summary["pays"]["chain"]["gamma"] == chain
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == chain
+    assert f"- proposed gamma {chain}:" in card and f'"num_speculative_tokens":{chain}' in card
+    tree = f" --topk {fastest['topk']}" if fastest["topk"] > 1 else ""
+    assert f"--gamma {fastest['gamma']}{tree} --prompt" in card and "| eagle3, tree top-3 | 1 |" in card
+    assert head_of(summary, cfg.out) | {"folder": ""} == {"target": cfg.target, "folder": "", "config_gamma": chain,
+                                                          "gamma": fastest["gamma"], "topk": fastest["topk"]}
 
 
 def test_held_out_prompts_are_never_generated_on(forged):
@@ -456,6 +462,19 @@ def test_the_pays_table_gives_the_mean_accepted_length_and_proposes_the_gamma_me
     assert proposed_gamma(summary | {"pays": table}) == 1
     same = summarise(head, sweep("suffix", {4: [1.2, 1.4, 1.9]}), predicted_gamma=1)
     assert "predicted" not in same["verdict"].split("; ")[-1]  # nothing to add when the forecast was right
+    # a tree measured fastest: SpecArena runs it, the config keeps the fastest chain's gamma
+    trees = sweep("eagle3", {1: [1.0, 1.6, 2.0], 2: [1.0, 1.7, 2.2]}, {1: 1.10, 2: 1.08})
+    for cell in trees["cells"]:
+        cell["topk"] = 3
+    both = {**head, "cells": head["cells"] + trees["cells"],
+            "samples": head["samples"] + [s | {"cell": s["cell"] + 2} for s in trees["samples"]]}  # fmt: skip
+    table = summarise(both, sweep("suffix", {4: [1.2, 1.4, 1.9]}), predicted_gamma=1)
+    assert (table["recommended"]["gamma"], table["recommended"]["topk"]) == (1, 3) and table["chain"]["gamma"] == 1
+    assert table["verdict"].startswith("the head gives 1.10x at gamma 1 as a tree of its top 3 candidates")
+    assert "as a chain (what vLLM and llama.cpp run) 1.03x at gamma 1" in table["verdict"]
+    from engine.forge.export import proposed_setting
+
+    assert proposed_gamma({"pays": table}) == 1 and proposed_setting({"pays": table}) == {"gamma": 1, "topk": 3}
 
 
 def test_ctrl_c_on_the_command_line_stops_the_forge_and_keeps_the_head(forged, tmp_path):

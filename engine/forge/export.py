@@ -94,10 +94,21 @@ def write(head: Head, folder: Path, loaded, summary: dict) -> Path:
 
 
 def proposed_gamma(summary: dict) -> int | None:
-    """The draft length a forged head proposes: the one measured fastest on the held-out prompts once measured
-    (engine.forge.pays.summarise), before that the one its validation acceptance predicts best."""
-    measured = (summary.get("pays") or {}).get("recommended") or {}
+    """The draft length a forged head's config proposes, a chain's (what vLLM and llama.cpp verify): the one measured
+    fastest on the held-out prompts once measured (engine.forge.pays.summarise), before that the one its validation
+    acceptance predicts best."""
+    pays = summary.get("pays") or {}
+    measured = pays.get("chain") or pays.get("recommended") or {}
     return measured.get("gamma") or ((summary.get("held_out") or {}).get("recommended") or {}).get("gamma")
+
+
+def proposed_setting(summary: dict) -> dict:
+    """What SpecArena's own engine runs the head with: the fastest measured row, tree or chain ({"gamma", "topk"});
+    before the measurement, the config's chain."""
+    best = (summary.get("pays") or {}).get("recommended") or {}
+    if best.get("gamma"):
+        return {"gamma": best["gamma"], "topk": best.get("topk", 1)}
+    return {"gamma": proposed_gamma(summary), "topk": 1}
 
 
 def set_gamma(folder: Path, gamma: int) -> None:
@@ -169,11 +180,15 @@ def card(s: dict) -> str:
                   _row(["drafter", "gamma", "speedup (median)", "predicted", "accepted length", "lossless"]),
                   _row(["---"] * 6)]  # fmt: skip
         for r in pays["rows"]:
-            lines.append(_row([r["drafter"], r["gamma"], _x(r["speedup"]), _x(r.get("predicted")),
+            tree = f", tree top-{r['topk']}" if r.get("topk", 1) > 1 else ""
+            lines.append(_row([r["drafter"] + tree, r["gamma"], _x(r["speedup"]), _x(r.get("predicted")),
                                _f(r["mean_accepted_length"]), r["lossless"] or "-"]))  # fmt: skip
         lines += ["", pays["verdict"]]
+    best = proposed_setting(s)
+    tree = f" --topk {best['topk']}" if best["topk"] > 1 else ""
     lines += ["", "## Use", "", f"- SpecArena: `python -m engine run --target {s['target']} --drafter eagle3 "
-              "--draft THIS_FOLDER --prompt ...`", "- vLLM: `vllm serve TARGET --speculative-config "
+              f"--draft THIS_FOLDER --gamma {best['gamma'] or 1}{tree} --prompt ...`",
+              "- vLLM: `vllm serve TARGET --speculative-config "
               f"'{{\"method\":\"eagle3\",\"model\":\"THIS_FOLDER\",\"num_speculative_tokens\":"
               f"{gamma or 3}}}'`",
               "- llama.cpp: `python convert_hf_to_gguf.py THIS_FOLDER --target-model-dir TARGET_DIR --outfile "

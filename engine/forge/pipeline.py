@@ -481,7 +481,7 @@ class Forge:
         self.summary["pays"] = result
         from engine.forge.export import set_gamma, write_card
 
-        set_gamma(self.out, result["recommended"]["gamma"])  # measured beats predicted
+        set_gamma(self.out, result["chain"]["gamma"])  # measured beats predicted; other engines verify chains
         write_card(self.out, self.summary)
         yield self.event("pays", result["verdict"], 1.0, **{"pays": result})
 

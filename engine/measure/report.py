@@ -56,7 +56,8 @@ def trust_notes(best: dict, runner_up: dict | None) -> list[str]:
         if r_max is not None and b_min is not None and r_max >= b["median"] and b_min <= r["median"]:
             notes.append(
                 f"the runner-up ({runner_up['drafter']}, gamma {runner_up['gamma']}, temperature "
-                f"{runner_up['temperature']}: {r['median']:.2f}x) lies within this cell's spread: these samples "
+                f"{runner_up['temperature']}{option_label(runner_up.get('p_min', 0.0), runner_up.get('topk', 1))}: "
+                f"{r['median']:.2f}x) lies within this cell's spread: these samples "
                 "do not tell the two apart"
             )
     return notes
