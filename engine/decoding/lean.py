@@ -32,7 +32,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from engine.decoding.tree import ancestry, depths
+from engine.decoding.tree import layout
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
@@ -158,9 +158,7 @@ class LeanDecoder(torch.nn.Module):
         # over keys and values repeated per query head
         mask = None
         if tree is not None:
-            positions = torch.tensor([past] + [past + d for d in depths(tree)], dtype=torch.float32)
-            mask = torch.ones((rows, total), dtype=torch.bool)
-            mask[:, past:] = ancestry(tree)
+            positions, mask = layout(tree, past)
             mask = mask[None, None]  # (1, 1, rows, total)
         else:
             positions = torch.arange(past, total, dtype=torch.float32)

@@ -14,7 +14,7 @@ from engine.decoding.lean import LeanCache
 from engine.decoding.lossless import top_two
 from engine.decoding.metrics import StepEvent
 from engine.decoding.sampling import choose
-from engine.decoding.tree import ancestry, depths
+from engine.decoding.tree import layout
 from engine.settings import MAX_GAMMA
 
 
@@ -182,12 +182,9 @@ def _tree_pass(model, token_ids: list[int], cache, layers: tuple[int, ...], tree
 
     if not isinstance(cache, DynamicCache):
         raise ValueError("a draft tree runs over a growing cache, not a static one (strict mode, compiled passes)")
-    past, n = cache.get_seq_length(), len(token_ids)
-    positions = torch.tensor([[past] + [past + d for d in depths(tree)]], device=model.device)
-    mask = torch.ones((n, past + n), dtype=torch.bool)
-    mask[:, past:] = ancestry(tree)
+    positions, mask = layout(tree, cache.get_seq_length())
     ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
-    out = model(input_ids=ids, cache=cache, use_cache=True, position_ids=positions,
+    out = model(input_ids=ids, cache=cache, use_cache=True, position_ids=positions.long()[None].to(model.device),
                 attention_mask=mask[None, None].to(model.device), output_hidden_states=bool(layers))  # fmt: skip
     logits = out.logits[0]
     if not layers:

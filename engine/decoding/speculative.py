@@ -82,22 +82,23 @@ def speculative_decode(
         if tree is None:
             drafted = torch.tensor(draft.tokens, dtype=torch.long, device=logits.device)
             verdict = verify(drafted, logits, draft.probs, cfg, generator)
-            walked, kept_rows = draft.tokens, list(range(verdict.accepted + 1))
+            walked, branch, kept = draft.tokens, [], slice(0, verdict.accepted + 1)  # the rows kept: a prefix
         else:
             verdict = verify_tree(draft.tokens, tree, logits, cfg, generator)
             walked = [draft.tokens[i] for i in verdict.path + verdict.tried]
-            kept_rows = [0] + [i + 1 for i in verdict.path]
+            branch = [0] + [i + 1 for i in verdict.path]  # the rows kept: the root's and the branch's
+            kept = torch.tensor(branch, device=logits.device)
         n = verdict.accepted
         tokens, pieces, finished = emit(stream, walked[:n] + [verdict.token], eos, room)
-        top = top_two(logits[kept_rows[: len(tokens)]]) if cfg.greedy else []  # evidence for the lossless verdict
+        top = top_two(logits[kept][: len(tokens)]) if cfg.greedy else []  # evidence for the lossless verdict
 
         # 4. roll back: the cache now holds [last, x_1..x_k]; keep [last, x_1..x_n] (a tree: the branch taken)
         if tree is not None and n:
-            keep_rows(cache, cache.get_seq_length() - k - 1, kept_rows)
+            keep_rows(cache, cache.get_seq_length() - k - 1, branch)
         elif k > n:
             cache.crop(n - k)
         if head is not None:
-            head.see(features[kept_rows])  # the kept rows' features: [last, x_1..x_n]
+            head.see(features[kept])  # the kept rows' features: [last, x_1..x_n]
         drafter.observe(len(walked), n)  # a tree's walked branch: all kept when it reached a leaf
         t3 = clock.now()
 

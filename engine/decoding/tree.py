@@ -41,6 +41,15 @@ def ancestry(parents: list[int]) -> torch.Tensor:
     return seen
 
 
+def layout(parents: list[int], past: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A verify pass over the root and a tree's nodes after `past` cached tokens: each row's position (rows,), float32,
+    and which keys it sees (rows, past + rows): the cached ones, its ancestors and itself."""
+    positions = torch.tensor([past] + [past + d for d in depths(parents)], dtype=torch.float32)
+    mask = torch.ones((len(parents) + 1, past + len(parents) + 1), dtype=torch.bool)
+    mask[:, past:] = ancestry(parents)
+    return positions, mask
+
+
 def branch(parents: list[int], node: int) -> list[int]:
     """The nodes from the root's child down to `node`, in order."""
     out = []
