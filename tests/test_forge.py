@@ -487,9 +487,11 @@ def test_ctrl_c_on_the_command_line_stops_the_forge_and_keeps_the_head(forged, t
 
     cfg = forged[0]
     out = tmp_path / "head"
+    # three minutes of which the data gets 10 s: training lasts long after its first progress line, so the Ctrl-C
+    # lands in it even on a loaded machine (a 30-second budget once ended its training before the signal came)
     command = [sys.executable, "-m", "engine", "forge", "--target", cfg.target, "--prompts", cfg.suite, "--minutes",
-               "0.5", "--out", str(out), "--gamma-max", "2", "--max-new-tokens", "16", "--batch-size", "16",
-               "--threads", "1", "--no-pays", "--data-dtype", "bfloat16"]  # fmt: skip
+               "3", "--data-share", "0.01", "--out", str(out), "--gamma-max", "2", "--max-new-tokens", "16",
+               "--batch-size", "16", "--threads", "1", "--no-pays", "--data-dtype", "bfloat16"]  # fmt: skip
     # SIGINT as a terminal's Ctrl-C finds it, even where this session runs as a background job (SIGINT ignored,
     # which a child would inherit)
     child = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
