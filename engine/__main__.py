@@ -409,7 +409,8 @@ def backends_table(runs: dict) -> str:
                             {})[backend] = c  # fmt: skip
     lines = [f"{'drafter':12}{'gamma':>6}{'temp':>6}  {'backend':14}{'tok/s base':>11}{'tok/s spec':>11}{'speedup':>9}"
              f"{'accept':>8}  acceptance per draft position"]  # fmt: skip
-    for (drafter, gamma, temperature, *_), cells in rows.items():
+    for (drafter, gamma, temperature, p_min, topk), cells in rows.items():
+        drafter += (f" p{p_min:g}" if p_min else "") + (f" k{topk}" if topk > 1 else "")
         for i, (backend, c) in enumerate(cells.items()):
             accept = c["acceptance_rate"]["median"]
             accept = "-" if accept is None else f"{accept:.2f}"

@@ -231,3 +231,19 @@ def test_a_vllm_sweep_exports_the_speculative_config_it_measured():
     assert report.snippets(data) == {
         "vllm": f"vllm serve HuggingFaceTB/SmolLM2-135M-Instruct --speculative-config '{json.dumps(measured)}'"
     }
+
+
+def test_the_backends_side_by_side_names_a_tree_apart_from_the_chain_of_the_same_gamma():
+    """`bench --backends ... --topk 1,3`: the servers verify chains, ours also a tree; the tree's row says so."""
+    from engine.__main__ import backends_table
+
+    def cell(topk, positions):
+        one = {"median": 1.0}
+        return {"drafter": "eagle3", "gamma": 1, "temperature": 0.0, "p_min": 0.0, "topk": topk, "positions": positions,
+                "acceptance_rate": {"median": 0.3}, "baseline_tps": one, "speculative_tps": one, "speedup": one}
+
+    chain, tree = cell(1, [[10, 3]]), cell(3, [[10, 5]])
+    runs = {"transformers": {"cells": [chain, tree]}, "vllm": {"cells": [chain]}}
+    lines = backends_table(runs).splitlines()[1:]
+    assert [line.split()[:2] for line in lines] == [["eagle3", "1"], ["vllm", "1.0"], ["eagle3", "k3"]]
+    assert lines[2].split()[-1] == "0.50" and lines[1].split()[-1] == "0.30"

@@ -95,6 +95,21 @@ def test_the_walk_follows_the_targets_own_tokens():
     assert verdict.tried == [6] and len(verdict.p) == 3  # the walked tokens 12, 15 and the turned-down 17
 
 
+def test_acceptance_per_draft_position_counts_a_trees_depths():
+    """A tree step's `drafted` is the branch taken, then the candidates turned down below it: position i is depth i,
+    reached once per step, not once per candidate (a side-by-side table once showed columns no step reached)."""
+    from engine.decoding.metrics import StepEvent, position_counts
+
+    def step(drafted, accepted, tree):
+        return StepEvent(1, "correction", [0], [""], drafted=drafted, accepted=accepted, tree=tree)
+
+    steps = [step([4, 5, 6], 0, 3),  # three candidates at depth 1, none taken
+             step([4, 7, 8, 9], 1, 6),  # depth 1 taken, its three children turned down
+             step([4, 7], 2, 6),  # a branch to a leaf at depth 2: all kept
+             step([4, 5], 2, 0)]  # a chain, both kept  # fmt: skip
+    assert position_counts(steps) == [(4, 3), (3, 2)]
+
+
 def test_the_walk_emits_draws_from_the_target_at_every_position():
     """Monte Carlo over a fixed tree: the first token follows the root's p whatever the candidates, and the next
     follows the row of the candidate it landed on (SpecInfer's rule for deterministic candidates)."""

@@ -105,8 +105,10 @@ class RunResult:
 
 
 def position_counts(decode: list[StepEvent]) -> list[tuple[int, int]]:
-    """Per draft position i: (steps that drafted i with drafts 1..i-1 all accepted, of those, steps keeping i)."""
-    longest = max((len(s.drafted) for s in decode), default=0)
+    """Per draft position i: (steps that drafted i with drafts 1..i-1 all accepted, of those, steps keeping i). A
+    tree's position is its depth: its `drafted` holds the branch taken, then the candidates turned down below it, which
+    sit at one depth and are counted there once."""
+    longest = max((min(len(s.drafted), s.accepted + 1) if s.tree else len(s.drafted) for s in decode), default=0)
     reached, kept = [0] * longest, [0] * longest
     for s in decode:
         for i in range(min(len(s.drafted), s.accepted + 1)):
