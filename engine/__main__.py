@@ -359,6 +359,11 @@ def versions(env: dict) -> str:
     return f"torch {env['torch']}, transformers {env['transformers']}{forms}"
 
 
+def _label(drafter: str, p_min: float, topk: int) -> str:
+    """A cell's drafter in a table: with its confidence stop (p0.5) and tree width (k3) where it has them."""
+    return drafter + (f" p{p_min:g}" if p_min else "") + (f" k{topk}" if topk > 1 else "")
+
+
 def sweep_table(data: dict) -> str:
     from engine.measure import report
 
@@ -368,8 +373,7 @@ def sweep_table(data: dict) -> str:
              f"{'tok/s spec':>12}  identical"]  # fmt: skip
     for c in data["cells"]:
         accept = c["acceptance_rate"]["median"]
-        drafter = c["drafter"] + (f" p{c['p_min']:g}" if c.get("p_min") else "") + (
-            f" k{c['topk']}" if c.get("topk", 1) > 1 else "")
+        drafter = _label(c["drafter"], c.get("p_min", 0.0), c.get("topk", 1))
         lines.append(
             f"{drafter:15}{c['gamma']:>6}{c['temperature']:>6}  {_spread(c['speedup'], '.2f', 'x'):22}"
             f"{'-' if accept is None else f'{accept:.2f}':>8}{c['baseline_tps']['median']:>12.1f}"
@@ -410,7 +414,7 @@ def backends_table(runs: dict) -> str:
     lines = [f"{'drafter':12}{'gamma':>6}{'temp':>6}  {'backend':14}{'tok/s base':>11}{'tok/s spec':>11}{'speedup':>9}"
              f"{'accept':>8}  acceptance per draft position"]  # fmt: skip
     for (drafter, gamma, temperature, p_min, topk), cells in rows.items():
-        drafter += (f" p{p_min:g}" if p_min else "") + (f" k{topk}" if topk > 1 else "")
+        drafter = _label(drafter, p_min, topk)
         for i, (backend, c) in enumerate(cells.items()):
             accept = c["acceptance_rate"]["median"]
             accept = "-" if accept is None else f"{accept:.2f}"
