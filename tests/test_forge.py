@@ -414,6 +414,43 @@ def test_the_forge_runs_on_the_engine_thread_and_a_first_ctrl_c_stops_it(monkeyp
     assert [e.phase for e in events] == ["train", "stop", "done"]
 
 
+def test_a_ctrl_c_while_a_progress_line_prints_stops_the_forge_too(monkeypatch):
+    """The main thread prints each event: a Ctrl-C landing there (not in its wait for the engine) is a Stop as well,
+    and a second one leaves. (Python's own handler raised there, and the command left without its head, rc 130.)"""
+    import os
+    import signal
+
+    from engine.forge import pipeline
+
+    def fake_events(cfg, stop, notify=None):
+        yield pipeline.ForgeEvent("train", "working")
+        stopped = stop.wait(20)
+        yield pipeline.ForgeEvent("done", "stopped", 1.0, metrics={"result": {"stopped": stopped}})
+
+    def progress(event):
+        events.append(event.phase)
+        if event.phase == "train":
+            os.kill(os.getpid(), signal.SIGINT)  # handled on this, the main thread, before the next line
+
+    monkeypatch.setattr(pipeline, "forge_events", fake_events)
+    events = []
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        summary = pipeline.forge(pipeline.ForgeConfig(target="t", out="o"), progress)
+        assert summary == {"stopped": True} and events == ["train", "stop", "done"]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
+
+        def twice(event):
+            if event.phase == "train":
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGINT)
+
+        with pytest.raises(KeyboardInterrupt):
+            pipeline.forge(pipeline.ForgeConfig(target="t", out="o"), twice)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_sampled_rows_draw_from_the_targets_distribution_at_their_temperature():
     """The data's sampled answers follow softmax(logits / T) row by row; greedy rows take the argmax."""
     from engine.forge.data import _pick

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import signal
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -552,10 +553,11 @@ def forge(cfg: ForgeConfig, progress=lambda event: None, stop: threading.Event |
     events = forge_events(cfg, stop, progress)
     result: dict = {}
     try:
-        while (event := _next_on_engine(events, stop, progress)) is not None:
-            progress(event)
-            if event.phase == "done":
-                result = event.metrics.get("result", {})
+        with _CtrlC(stop) as ctrl_c:
+            while (event := _next_on_engine(events, ctrl_c, progress)) is not None:
+                progress(event)
+                if event.phase == "done":
+                    result = event.metrics.get("result", {})
     except KeyboardInterrupt:  # the second: the engine thread still runs its step, and the process leaves
         raise
     except BaseException:
@@ -564,7 +566,41 @@ def forge(cfg: ForgeConfig, progress=lambda event: None, stop: threading.Event |
     return result
 
 
-def _next_on_engine(events: Iterator[ForgeEvent], stop: threading.Event, progress) -> ForgeEvent | None:
+class _CtrlC:
+    """While the forge runs from the main thread: a first Ctrl-C (SIGINT) sets its stop flag wherever the thread is
+    (printing a line, handing the engine its next step), and a second raises KeyboardInterrupt. Python's own handler
+    raises at the first, on whatever line the thread is: one that landed while a progress line was printed left the
+    forge there, without its head. Elsewhere (another thread; SIGINT ignored or handled by the caller) it stays out
+    of the way."""
+
+    def __init__(self, stop: threading.Event):
+        self.stop, self.pressed, self.told, self.previous = stop, threading.Event(), False, None
+
+    def __enter__(self) -> _CtrlC:
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # fmt: skip
+            self.previous = signal.signal(signal.SIGINT, self._pressed)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+    def _pressed(self, signum, frame) -> None:
+        if self.pressed.is_set():
+            raise KeyboardInterrupt
+        self.pressed.set()
+        self.stop.set()
+
+    def tell(self, progress) -> None:
+        """The stop event, once, from the waiting loop (not from the handler, which may interrupt a print)."""
+        if self.pressed.is_set() and not self.told:
+            self.told = True
+            progress(ForgeEvent("stop", "stopping at the next batch; the best state so far is kept (Ctrl-C again "
+                                "to leave now)", 0.0))  # fmt: skip
+
+
+def _next_on_engine(events: Iterator[ForgeEvent], ctrl_c: _CtrlC, progress) -> ForgeEvent | None:
     from engine.worker import ENGINE
 
     step = ENGINE.submit(next, events, None)
@@ -572,12 +608,9 @@ def _next_on_engine(events: Iterator[ForgeEvent], stop: threading.Event, progres
         try:
             # a short wait, again and again: a SIGINT the kernel hands to the busy engine thread only marks Python's
             # handler as due, and a main thread blocked in one long wait would not run it until the step ended
-            return step.result(timeout=0.2)
+            event = step.result(timeout=0.2)
         except FutureTimeout:
+            ctrl_c.tell(progress)
             continue
-        except KeyboardInterrupt:
-            if stop.is_set():
-                raise
-            stop.set()
-            progress(ForgeEvent("stop", "stopping at the next batch; the best state so far is kept (Ctrl-C again "
-                                "to leave now)", 0.0))  # fmt: skip
+        ctrl_c.tell(progress)
+        return event
