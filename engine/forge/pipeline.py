@@ -574,7 +574,7 @@ class _CtrlC:
     of the way."""
 
     def __init__(self, stop: threading.Event):
-        self.stop, self.pressed, self.told, self.previous = stop, threading.Event(), False, None
+        self.stop, self.pressed, self.told, self.previous = stop, False, False, None
 
     def __enter__(self) -> _CtrlC:
         if threading.current_thread() is threading.main_thread() and \
@@ -587,14 +587,14 @@ class _CtrlC:
             signal.signal(signal.SIGINT, self.previous)
 
     def _pressed(self, signum, frame) -> None:
-        if self.pressed.is_set():
+        if self.pressed:
             raise KeyboardInterrupt
-        self.pressed.set()
+        self.pressed = True  # the handler runs on the main thread, as does tell()
         self.stop.set()
 
     def tell(self, progress) -> None:
         """The stop event, once, from the waiting loop (not from the handler, which may interrupt a print)."""
-        if self.pressed.is_set() and not self.told:
+        if self.pressed and not self.told:
             self.told = True
             progress(ForgeEvent("stop", "stopping at the next batch; the best state so far is kept (Ctrl-C again "
                                 "to leave now)", 0.0))  # fmt: skip
