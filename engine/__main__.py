@@ -143,6 +143,8 @@ def parser() -> argparse.ArgumentParser:
     forge.add_argument("--device", default="auto")
     forge.add_argument("--batch-size", type=int, default=128, help="prompts the target answers together")
     forge.add_argument("--max-new-tokens", type=int, default=128, help="longest answer generated for the data")
+    forge.add_argument("--batch-rows", type=int, default=1024, help="padded token rows per training update (a GPU "
+                       "takes far more than a CPU's default)")
     forge.add_argument("--threads", default="auto", help="torch threads (auto: timed)")
     forge.add_argument("--init", choices=["target", "random"], default="random",
                        help="the head's layer starts random (default) or as the target's last layer")
@@ -546,7 +548,8 @@ def cmd_forge(args) -> int:
                       held_out=args.held_out, seed=args.seed, dtype=args.dtype, device=args.device,
                       batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, steps=args.gamma_max,
                       threads=args.threads, pays=not args.no_pays, pays_repeats=args.pays_repeats, init=args.init,
-                      data_share=args.data_share, general=not args.no_general, data_dtype=args.data_dtype)  # fmt: skip
+                      data_share=args.data_share, general=not args.no_general, data_dtype=args.data_dtype,
+                      batch_rows=args.batch_rows)  # fmt: skip
 
     def show(event) -> None:
         eta = f" [{event.eta_s // 60:.0f}:{event.eta_s % 60:02.0f} left]" if event.eta_s is not None else ""

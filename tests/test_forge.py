@@ -528,7 +528,8 @@ def test_ctrl_c_on_the_command_line_stops_the_forge_and_keeps_the_head(forged, t
     # lands in it even on a loaded machine (a 30-second budget once ended its training before the signal came)
     command = [sys.executable, "-m", "engine", "forge", "--target", cfg.target, "--prompts", cfg.suite, "--minutes",
                "3", "--data-share", "0.01", "--out", str(out), "--gamma-max", "2", "--max-new-tokens", "16",
-               "--batch-size", "16", "--threads", "1", "--no-pays", "--data-dtype", "bfloat16"]  # fmt: skip
+               "--batch-size", "16", "--threads", "1", "--no-pays", "--data-dtype", "bfloat16",
+               "--batch-rows", "512"]  # fmt: skip
     # SIGINT as a terminal's Ctrl-C finds it, even where this session runs as a background job (SIGINT ignored,
     # which a child would inherit)
     child = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -547,6 +548,7 @@ def test_ctrl_c_on_the_command_line_stops_the_forge_and_keeps_the_head(forged, t
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     assert "forged" in printed
     assert "made in bfloat16" in (out / "README.md").read_text()  # the data passes ran on a 16-bit copy
+    assert json.loads((out / "forge-report.json").read_text())["config"]["batch_rows"] == 512
 
 
 def test_the_greedy_loop_replayed_over_teacher_forced_hits_counts_tokens_per_verify_pass():

@@ -136,7 +136,8 @@ def _pick(logits: torch.Tensor, top: torch.Tensor, temperatures: torch.Tensor,
         return greedy
     probs = torch.softmax(logits[rows] / temperatures[rows, None], -1)
     cdf = probs.cumsum(-1)
-    u = torch.rand((rows.numel(), 1), generator=generator, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
+    # drawn where the generator lives (the forge's is a CPU one), so a seed draws the same numbers on every device
+    u = torch.rand((rows.numel(), 1), generator=generator, dtype=cdf.dtype).to(cdf.device) * cdf[:, -1:]
     drawn = torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=logits.shape[-1] - 1)
     return greedy.index_copy(0, rows, drawn)
 
@@ -266,7 +267,7 @@ def _sequences(batch: Batch, prompt_feats: torch.Tensor, rows: Rows, eos: set[in
         p = torch.zeros((n - 1, TOP_K), dtype=torch.float16)
         ids[len(prompt) - 1 :] = torch.stack(rows.tops[i][: len(answer)])
         p[len(prompt) - 1 :] = torch.stack(rows.probs[i][: len(answer)])
-        features = f.to(feature_dtype(f))
+        features = f.to("cpu", feature_dtype(f))  # shards are written from, and kept in, host memory
         out.append(Sequence(prompt + answer, len(prompt), features, ids, p, batch.sources[i], batch.ids[i]))
     return out
 
