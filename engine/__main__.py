@@ -1,4 +1,4 @@
-"""Command line: `python -m engine run|bench|doctor`.
+"""Command line: `python -m engine run|bench|doctor|forge|head-misses|...`.
 
 `run` warms up, runs baseline then speculative on one prompt and prints a summary (or one JSON
 object with --json). Errors a user can cause end with a one-line message and exit code 2.
@@ -154,6 +154,16 @@ def parser() -> argparse.ArgumentParser:
     forge.add_argument("--no-pays", action="store_true", help="skip the final measurement on held-out prompts")
     forge.add_argument("--pays-repeats", type=int, default=1)
     forge.add_argument("--json", metavar="PATH", help="write the summary as JSON")
+
+    misses = sub.add_parser("head-misses", help="where a forged head misses: its first-draft hits by the target's "
+                            "confidence, on the forge's validation answers and on a prompt set")
+    misses.add_argument("--draft", required=True, help="the head's folder (a forge's: its validation data is read)")
+    misses.add_argument("--target", help="default: the target the forge names in DIR/forge-report.json")
+    misses.add_argument("--suite", help="task categories or a prompts file (default: DIR/held-out.jsonl)")
+    misses.add_argument("--tokens", type=int, default=64, help="answer tokens per prompt")
+    misses.add_argument("--dtype", default="float32")
+    misses.add_argument("--device", default="auto")
+    misses.add_argument("--json", metavar="PATH", help="write the tallies as JSON")
 
     doctor = sub.add_parser("doctor", help="check a pair from configs and tokenizers, before loading weights")
     add_pair_args(doctor)
@@ -568,8 +578,20 @@ def cmd_forge(args) -> int:
     return 0 if summary else 1
 
 
+def cmd_head_misses(args) -> int:
+    from engine.forge.misses import report, table
+    from engine.worker import ENGINE
+
+    result = ENGINE.call(report, args.draft, args.target, args.suite, args.tokens, args.dtype, args.device)
+    print(table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
 COMMANDS = {"run": cmd_run, "bench": cmd_bench, "doctor": cmd_doctor, "gpu-check": cmd_gpu_check,
-            "build-llama-server": cmd_build_llama_server, "forge": cmd_forge}  # fmt: skip
+            "build-llama-server": cmd_build_llama_server, "forge": cmd_forge,
+            "head-misses": cmd_head_misses}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -739,3 +739,33 @@ def test_the_data_phase_stops_before_the_disk_fills(model_dirs, tmp_path, monkey
     assert summary["data"]["stopped"].startswith("stopped making data: the next shard")
     assert "Stopped making data: the next shard" in (tmp_path / "short" / "README.md").read_text()
     assert json.loads((tmp_path / "short" / "forge-state.json").read_text())["data_done"] is False
+
+
+def test_head_misses_counts_the_first_draft_hits_the_forge_measured_on_its_validation_answers(forged, capsys):
+    """`python -m engine head-misses`: the forged head's first-draft hits by the target's confidence. On the forge's
+    own validation answers they are the forge's validation acceptance at position 1 (teacher forced, the same rows);
+    on its held-out prompts they are counted over the target's fresh greedy answers."""
+    from engine.__main__ import main
+    from engine.forge import data as D
+    from engine.forge.misses import tally
+    from engine.models.heads import load_head
+    from engine.models.loading import MODELS
+
+    cfg, _, summary = forged
+    target = MODELS.get(cfg.target, "float32", "cpu", pack=False).model
+    head = load_head(cfg.out, target).eval()
+    val = D.Dataset.read(Path(cfg.out) / "data").val
+    found = tally(head, val, target.config.vocab_size)
+    assert found["positions"] == sum(b["positions"] for b in found["buckets"]) > 0
+    assert all(0 <= b["hits"] <= b["positions"] for b in found["buckets"])
+    reached = found["positions"] - found["outside_vocabulary"]
+    assert abs(found["hits"] - summary["training"]["val_acceptance"][0] * reached) <= 1  # one near-tie at most
+    out = Path(cfg.out).parent / "misses.json"
+    assert main(["head-misses", "--draft", cfg.out, "--tokens", "8", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert set(result["sets"]) == {"validation", "held-out"} and result["target"] == cfg.target
+    held = result["sets"]["held-out"]
+    assert 0 < held["positions"] <= 8 * summary["prompts"]["held_out"]  # at most 8 answer tokens a prompt
+    assert held["misses"] == held["positions"] - held["hits"] and held["copy_misses"] <= held["misses"]
+    assert "held-out:" in printed and "validation:" in printed

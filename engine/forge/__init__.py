@@ -10,6 +10,7 @@ engine serves. It uses the engine (models, prompt sets, heads, bench); nothing i
     machine  threads and bfloat16 chosen by timing this machine
     export   the speculators layout, the recommended gamma, the model card
     pays     the head against prompt lookup, suffix and the target alone on the held-out prompts
+    misses   where a head misses: first-draft hits by the target's confidence, validation answers against a prompt set
 """
 
 from engine import exports
