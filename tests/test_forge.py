@@ -338,6 +338,8 @@ def test_general_prompts_are_varied_new_and_never_the_suites():
     texts = [p for _, p in taken]
     assert len(set(texts)) == len({i for i, _ in taken}) == 400 and avoid not in texts
     assert not [t for t in texts if _grams(t) & suite]
+    # nor under other seeds, where a bank sentence after "Translate into Italian:" once began as a suite prompt does
+    assert not [t for seed in range(1, 20) for _, t in Bank(seed=seed).take(400) if _grams(t) & suite]
     assert any("Python function" in t for t in texts) and any(t.startswith("Translate into") for t in texts)
     assert any("step by step" in t for t in texts) and any("lives in" in t for t in texts)
     assert Bank(seed=3).take(20) == Bank(seed=3).take(20) != Bank(seed=4).take(20)
