@@ -771,3 +771,11 @@ def test_head_misses_counts_the_first_draft_hits_the_forge_measured_on_its_valid
     assert 0 < held["positions"] <= 8 * summary["prompts"]["held_out"]  # at most 8 answer tokens a prompt
     assert held["misses"] == held["positions"] - held["hits"] and held["copy_misses"] <= held["misses"]
     assert "held-out:" in printed and "validation:" in printed
+    from engine.errors import UserError
+    from engine.forge.misses import report
+    from engine.models.heads import random_head, write_head
+
+    dflash = Path(cfg.out).parent / "dflash"
+    write_head(random_head(target, "dflash", layers=1, block_size=4), dflash, "speculators-dflash")
+    with pytest.raises(UserError, match="is a dflash head"):
+        report(str(dflash), target=cfg.target, suite=cfg.suite, tokens=4)

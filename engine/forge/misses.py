@@ -93,6 +93,8 @@ def report(folder: str, target: str | None = None, suite: str | None = None, tok
     loaded = MODELS.get(target, dtype, device, pack=False)
     model, tok = loaded.model, loaded.tokenizer
     head = load_head(folder, model).eval()
+    if head.config.kind != "eagle3":
+        raise UserError(f"{folder} is a {head.config.kind} head: head-misses replays EAGLE-3 heads (the forge's).")
     vocab = model.config.get_text_config().vocab_size
     sets = {}
     if (out / "data").is_dir():
