@@ -22,7 +22,7 @@ from engine.decoding.sampling import SamplingConfig
 from engine.decoding.speculative import speculative_decode
 from engine.errors import OutOfMemory, UserError, blame
 from engine.events import Status
-from engine.models.cpu import cpu_name
+from engine.models.cpu import device_name
 from engine.models.loading import MODELS, LoadedModel, free_memory, resolve_device
 from engine.settings import HEAD_NAMES, MAX_GAMMA, Settings
 from engine.worker import ENGINE, in_thread
@@ -126,14 +126,13 @@ class Transformers:
 
         target = self.pair.target
         device = target.device
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
         return {
             "backend": self.name,
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "python": platform.python_version(),
             "device": str(device),
-            "device_name": name,
+            "device_name": device_name(device),
             "cpu_threads": ENGINE.call(torch.get_num_threads),  # the engine thread's OpenMP team
             "dtype": str(target.dtype).replace("torch.", ""),
             "forward": "lean" if target.lean else "transformers",  # engine.decoding.lean

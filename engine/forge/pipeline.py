@@ -439,12 +439,12 @@ class Forge:
         yield self.event("export", f"wrote {self.out} (speculators layout, README.md)", 1.0)
 
     def _summary(self) -> dict:
-        from engine.models.cpu import cpu_name
+        from engine.models.cpu import device_name
 
         spent = {k: round(v, 1) for k, v in self.budget.spent.items() if k}
         return {
             "target": self.cfg.target, "origin": self.loaded.origin, "revision": _revision(self.loaded),
-            "machine": cpu_name() if self.loaded.device.type == "cpu" else _device_name(self.loaded.device),
+            "machine": device_name(self.loaded.device),
             "machine_choice": self.machine.describe(), "config": asdict(self.cfg), "timing": spent,
             "wall_s": round(sum(spent.values()), 1),
             "prompts": {"train": len(self.train_set), "val": len(self.val_set), "held_out": len(self.held_set),
@@ -513,13 +513,6 @@ class Forge:
         yield from self.pays()
         (self.out / "forge-report.json").write_text(json.dumps(self.summary, indent=1, default=str))
         yield self.event("done", f"forged {self.out} in {self.summary['wall_s']:.0f} s", 1.0, result=self.summary)
-
-
-def _device_name(device: torch.device) -> str:
-    """'NVIDIA H200 (cuda:0)' for a CUDA device, else its name as torch writes it."""
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} ({device})"
-    return str(device)
 
 
 def _revision(loaded) -> str:

@@ -190,6 +190,13 @@ def cpu_flags() -> set[str]:
     return set(_cpuinfo_field("flags").split())
 
 
+def device_name(device) -> str:
+    """What a run ran on, as people name it: the GPU's name for a CUDA device, else the CPU's (cpu_name)."""
+    import torch
+
+    return torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else cpu_name()
+
+
 def cpu_name() -> str:
     """The CPU as people name it, with its widest vector instructions: "AMD EPYC" alone has named both an
     AVX2 and an AVX512 machine here, and they pick different linear forms."""
