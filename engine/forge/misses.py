@@ -34,29 +34,30 @@ def tally(head, sequences, vocab_size: int, tokens: int | None = None) -> dict:
     from engine.forge import train as T
 
     t2d = T.to_draft_ids(vocab_size, head.d2t)
-    device = head.fc.weight.device
+    device, dtype = head.fc.weight.device, head.fc.weight.dtype
     buckets = [{"low": EDGES[i], "high": EDGES[i + 1], "positions": 0, "hits": 0} for i in range(len(EDGES) - 1)]
     confidence, outside, copies, misses = 0.0, 0, 0, 0
     with torch.no_grad():
         for s in sequences:
-            batch = T.collate([s], 1, t2d, torch.float32)
-            logits = T.ttt_forward(head, batch["tokens"].to(device), batch["features"].to(device, head.fc.weight.dtype),
-                                   1)[0][0]  # fmt: skip
-            drafted = logits.argmax(-1).cpu()
+            batch = T.collate([s], 1, t2d, dtype)
+            moved = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+            stat = T.batch_loss(head, moved, 1)[1][0]  # the trainer's own hit and valid masks, step 1
+            hits, valid = stat["hit_mask"][0].tolist(), stat["valid"][0].tolist()
             first = max(s.prompt_len - 2, 0)  # row r labels the token at position r + 2 (engine.forge.data)
             last = len(s.tokens) - 2 if tokens is None else min(first + tokens, len(s.tokens) - 2)
+            earliest = {}  # pair of tokens -> where it first stands
+            for j in range(len(s.tokens) - 2, -1, -1):
+                earliest[(s.tokens[j], s.tokens[j + 1])] = j
             for r in range(first, last):
-                label, p = int(batch["label_ids"][0, r, 0]), float(s.top_p[r + 1, 0])
-                hit = label >= 0 and int(drafted[r]) == label
+                p = float(s.top_p[r + 1, 0])
                 b = buckets[_bucket(p)]
                 b["positions"] += 1
-                b["hits"] += hit
+                b["hits"] += hits[r]
                 confidence += p
-                outside += label < 0
-                if not hit:
+                outside += not valid[r]
+                if not hits[r]:
                     misses += 1
-                    pair = (s.tokens[r + 1], s.tokens[r + 2])
-                    copies += any(tuple(s.tokens[j : j + 2]) == pair for j in range(r + 1))
+                    copies += earliest[(s.tokens[r + 1], s.tokens[r + 2])] <= r  # already in the context
     n = sum(b["positions"] for b in buckets)
     hits = sum(b["hits"] for b in buckets)
     return {"positions": n, "hits": hits, "hit_rate": hits / n if n else 0.0,
@@ -95,19 +96,19 @@ def report(folder: str, target: str | None = None, suite: str | None = None, tok
     head = load_head(folder, model).eval()
     if head.config.kind != "eagle3":
         raise UserError(f"{folder} is a {head.config.kind} head: head-misses replays EAGLE-3 heads (the forge's).")
-    vocab = model.config.get_text_config().vocab_size
+    text = model.config.get_text_config()
     sets = {}
     if (out / "data").is_dir():
         val = D.Dataset.read(out / "data").val
         if val:
-            sets["validation"] = tally(head, val, vocab, tokens)
+            sets["validation"] = tally(head, val, text.vocab_size, tokens)
     encoded = [(i.id, encode_prompt(tok, i.prompt, loaded.has_chat_template)) for i in prompts.items]
-    layers = eagle3_layers(model.config.get_text_config().num_hidden_layers)
+    layers = eagle3_layers(text.num_hidden_layers)
     eos = D.eos_of(model, tok)
     answers = []
     for batch in D.batches(encoded, batch_size, (0.0,), tokens, ("greedy",)):
         answers += D.generate(model, batch, layers, eos, torch.Generator().manual_seed(0))
-    sets[name or prompts.name] = tally(head, answers, vocab, tokens)
+    sets[name or prompts.name] = tally(head, answers, text.vocab_size, tokens)
     return {"head": str(folder), "target": target, "tokens": tokens, "sets": sets}
 
 
