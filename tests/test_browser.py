@@ -38,7 +38,14 @@ def open_page(browser, url, width=1400, height=1800):
     page.set_default_timeout(120_000)
     page.goto(url)
     page.wait_for_selector("#run")
+    settle(page)
     return page
+
+
+def settle(page) -> None:
+    """Wait for the sidebar's slide (and any other CSS transition) to end. A click on a button still moving can
+    miss it, and playwright's retry then scrolls the page to reach it: a scroll the app never made."""
+    page.wait_for_function("() => document.getAnimations().every(a => !(a instanceof CSSTransition))")
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +207,7 @@ def sidebar(page, open_it: bool) -> None:
         page.click("#settings .toggle-button")
         state = str(open_it).lower()
         page.wait_for_function(f"() => document.querySelector('#settings').classList.contains('open') === {state}")
+        settle(page)
 
 
 def test_the_comparison_is_on_the_first_screen_on_a_desktop(browser, live_app):
@@ -207,7 +215,11 @@ def test_the_comparison_is_on_the_first_screen_on_a_desktop(browser, live_app):
     page = open_page(browser, live_app, width=1400, height=900)
     page.fill("#field-prompt [data-testid=textbox]", REWRITE)
     set_max_new_tokens(page, 24)
-    page.click("#run")
+    # a click where the button is seen, as a person makes it: playwright's own click may scroll to retry
+    box = page.locator("#run").bounding_box()
+    x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+    assert page.evaluate(f"() => !!document.elementFromPoint({x}, {y})?.closest('#run')"), "something covers Run"
+    page.mouse.click(x, y)
     wait_status(page, "done in")
     base, summary = page.locator("#baseline-pane").bounding_box(), page.locator("#summary").bounding_box()
     assert base["y"] + 120 < 900 and summary["y"] < 900, (base, summary)
