@@ -760,6 +760,12 @@ def test_head_misses_counts_the_first_draft_hits_the_forge_measured_on_its_valid
     val = D.Dataset.read(Path(cfg.out) / "data").val
     found = tally(head, val, target.config.vocab_size)
     assert found["positions"] == sum(b["positions"] for b in found["buckets"]) > 0
+    from engine.forge.train import to_draft_ids
+
+    t2d = to_draft_ids(target.config.vocab_size, head.d2t)  # outside: the target's token has no draft id
+    assert found["outside_vocabulary"] == sum(
+        int((t2d[s.top_ids[max(s.prompt_len - 1, 1) : len(s.tokens) - 1, 0].long()] < 0).sum()) for s in val
+    )
     assert all(0 <= b["hits"] <= b["positions"] for b in found["buckets"])
     reached = found["positions"] - found["outside_vocabulary"]
     assert abs(found["hits"] - summary["training"]["val_acceptance"][0] * reached) <= 1  # one near-tie at most
