@@ -90,8 +90,8 @@ def build_layout() -> SimpleNamespace:
             f.data = gr.Dropdown([(DATA_LABELS[d], d) for d in DATA_DTYPES], value="target", label="data passes in",
                                  info="a 16-bit copy of a float32 target makes ~2x the data where the CPU has "
                                  "bfloat16 units", elem_id=field_id("forge_data"))  # fmt: skip
-            f.general = gr.Checkbox(True, label="general prompts", info="the forge's own, beside the prompts below "
-                                    "(a head learns the target, not their subjects)",
+            f.general = gr.Checkbox(True, label="general prompts", info="the forge's own, of the kinds the prompts "
+                                    "below ask for (a head learns the target, not their subjects)",
                                     elem_id=field_id("forge_general"))  # fmt: skip
             f.hold_all = gr.Checkbox(False, label="measure on every prompt", info="train on general prompts alone; "
                                      "all of the prompts below measure the head", elem_id=field_id("forge_hold_all"))

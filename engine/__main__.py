@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from engine.errors import UserError
-from engine.forge import DATA_DTYPES
+from engine.forge import BANKS, DATA_DTYPES
 from engine.settings import BACKENDS, BUNDLED, DRAFTERS, HEADS, STRICT
 
 
@@ -151,6 +151,8 @@ def parser() -> argparse.ArgumentParser:
     forge.add_argument("--data-share", type=float, default=0.5, help="of the budget after loading, for data")
     forge.add_argument("--no-general", action="store_true", help="answer only the given prompts (and follow-ups "
                        "and new prompts the target writes), no general prompts beside them")
+    forge.add_argument("--bank", choices=BANKS, default="workload", help="the general prompts' kinds: in "
+                       "proportion to the given prompts' categories (default), or the even mix")
     forge.add_argument("--no-pays", action="store_true", help="skip the final measurement on held-out prompts")
     forge.add_argument("--pays-repeats", type=int, default=1)
     forge.add_argument("--json", metavar="PATH", help="write the summary as JSON")
@@ -559,7 +561,7 @@ def cmd_forge(args) -> int:
                       batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, steps=args.gamma_max,
                       threads=args.threads, pays=not args.no_pays, pays_repeats=args.pays_repeats, init=args.init,
                       data_share=args.data_share, general=not args.no_general, data_dtype=args.data_dtype,
-                      batch_rows=args.batch_rows)  # fmt: skip
+                      batch_rows=args.batch_rows, bank=args.bank)  # fmt: skip
 
     def show(event) -> None:
         eta = f" [{event.eta_s // 60:.0f}:{event.eta_s % 60:02.0f} left]" if event.eta_s is not None else ""

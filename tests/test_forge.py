@@ -142,6 +142,7 @@ def test_a_forged_head_loads_and_runs_lossless(forged):
 
 
 def test_held_out_prompts_are_never_generated_on(forged):
+    from engine.forge.bank import kind_shares
     from engine.forge.data import FOLLOW_UPS, Dataset
 
     cfg, _, summary = forged
@@ -163,6 +164,7 @@ def test_held_out_prompts_are_never_generated_on(forged):
         asked = tokenizer.decode(s.tokens[: s.prompt_len], skip_special_tokens=True)
         question = tokenizer.decode(first.tokens[: first.prompt_len], skip_special_tokens=True).split("\n\n")[0]
         assert asked.startswith(f"User: {question}") and any(f"User: {q}" in asked for q in FOLLOW_UPS), asked
+    assert summary["data"]["general_kinds"] == pytest.approx(kind_shares())  # prompts without categories: the even mix
     vocab = summary["vocabulary"]
     assert vocab["train_coverage"] >= 0.97 and vocab["size"] < vocab["target_vocabulary"]
 
@@ -351,6 +353,33 @@ def test_general_prompts_are_varied_new_and_never_the_suites():
     on_answers = [p for _, p in general.take(90) if "mice," in p]  # a word no typo touches
     assert len(on_answers) >= 5 and any(answer in p for p in on_answers)
     assert any(answer not in p for p in on_answers)  # the one with typos to fix
+
+
+def test_general_prompts_follow_the_workloads_categories_and_a_spent_kind_gives_way():
+    """The bank's kinds take turns in the shares the given prompts' categories ask for (open questions and creative
+    writing: subjects; a category it cannot read: the even mix), a quarter of the turns kept even; a kind with no new
+    prompt left (the code tasks asked out) gives its turns to the others, and the stream goes on."""
+    from collections import Counter
+
+    from engine.forge.bank import EVEN_SHARE, KINDS, Bank, bank, kind_shares
+
+    even = {k: KINDS.count(k) / len(KINDS) for k in set(KINDS)}
+    assert kind_shares() == kind_shares(["repeated_work", "prompts"]) == even
+    open_ended = kind_shares(["open_qa"] * 5 + ["creative_writing"] * 5)
+    assert open_ended["topic"] == pytest.approx(EVEN_SHARE * even["topic"] + 1 - EVEN_SHARE, abs=1e-4)
+    mixed = kind_shares(["code", "math_reasoning", "translation", "data_formatting"])
+    assert {k: mixed[k] for k in ("code", "problem", "translate", "record")} == pytest.approx(
+        {k: EVEN_SHARE * even[k] + (1 - EVEN_SHARE) / 4 for k in ("code", "problem", "translate", "record")}, abs=1e-4)
+    assert sum(open_ended.values()) == pytest.approx(1) and sum(mixed.values()) == pytest.approx(1)
+    general = Bank(seed=0, categories=["open_qa", "creative_writing"])
+    turns = Counter(general._turn() for _ in range(360))
+    assert turns == {k: round(360 * v) for k, v in open_ended.items()}  # exact shares, not a lottery
+    code_only = Bank(seed=0, categories=["code"])
+    asks = {a.format(task=t) for a in bank()["code_asks"] for t in bank()["code_tasks"]}
+    taken = [p for _, p in code_only.take(1000)]
+    assert len(set(taken)) == 1000  # all new
+    assert len(asks & set(taken)) >= 0.95 * len(asks) and not asks & set(taken[-200:])  # code asked out, then others
+    assert code_only.shares["code"] == 0 and code_only.shares["topic"] > 0
 
 
 def test_word_problems_never_take_away_more_than_there_is():

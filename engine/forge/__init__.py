@@ -15,9 +15,10 @@ engine serves. It uses the engine (models, prompt sets, heads, bench); nothing i
 
 from engine import exports
 
+BANKS = ("workload", "even")  # ForgeConfig.bank: the general prompts' kinds by the given prompts' categories, or not
 DATA_DTYPES = ("target", "bfloat16", "float16")  # ForgeConfig.data_dtype: the target's own, or a 16-bit copy of it
 
-__all__ = ["DATA_DTYPES", "ForgeConfig", "ForgeEvent", "forge", "forge_events"]
+__all__ = ["BANKS", "DATA_DTYPES", "ForgeConfig", "ForgeEvent", "forge", "forge_events"]
 __getattr__ = exports(__name__, {
     "ForgeConfig": "pipeline", "ForgeEvent": "pipeline", "forge": "pipeline", "forge_events": "pipeline",
 })  # fmt: skip

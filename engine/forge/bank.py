@@ -6,7 +6,13 @@ acceptance at the first draft position on new prompts. EAGLE trains on general c
 network, the forge composes its own from presets/forge_bank.json: subjects under task patterns (explain, compare,
 a poem, a quiz...), translation, code tasks, word problems with fresh numbers, records to format, and tasks on the
 target's own earlier answers (rewrite, summarise, fix typos, translate), which teach a head to copy from the context
-as rewriting and summarising need. Kinds take turns, the choices are seeded, no prompt is asked twice.
+as rewriting and summarising need. The choices are seeded, no prompt is asked twice.
+
+The kinds take turns in proportion to the workload: each given prompt's category names the kind nearest it (open
+questions and creative writing: subjects under task patterns; code: code tasks; ...), and a quarter of the turns
+keep the even mix, for what a category's name does not say. On the bundled model (AMX Xeon, 15-minute forges
+measured on the open-ended suite prompts, none trained on) subjects alone lifted the head's first-draft hits from
+0.33 to 0.38 and the top-3 tree's speedup from 1.15x to 1.40x against the even mix.
 """
 
 from __future__ import annotations
@@ -18,7 +24,35 @@ from functools import lru_cache
 from engine.forge.data import normalised, prompt_id
 from engine.presets import PRESETS
 
-KINDS = ("topic", "topic", "topic", "code", "problem", "translate", "record", "text", "text")  # one turn each
+KINDS = ("topic", "topic", "topic", "code", "problem", "translate", "record", "text", "text")  # the even mix
+# a category's kind by a word in its name, first match (math_reasoning: a problem); others (repeated_work) the mix
+CATEGORY_KINDS = (("code", "code"), ("math", "problem"), ("arith", "problem"), ("transl", "translate"),
+                  ("format", "record"), ("extract", "record"), ("record", "record"), ("json", "record"),
+                  ("summar", "text"), ("rewrit", "text"), ("rag", "text"), ("edit", "text"), ("paraphras", "text"),
+                  ("qa", "topic"), ("question", "topic"), ("creative", "topic"), ("writ", "topic"),
+                  ("mt_bench", "topic"), ("roleplay", "topic"), ("stem", "topic"), ("humanit", "topic"),
+                  ("reason", "topic"), ("chat", "topic"))  # fmt: skip
+EVEN_SHARE = 0.25  # of the turns that keep the even mix whatever the workload
+SPENT_AFTER = 200  # repeats in a row that retire a kind (a code-only workload asks every code task in time)
+
+
+def kind_of(category: str) -> str | None:
+    name = category.lower()
+    return next((kind for word, kind in CATEGORY_KINDS if word in name), None)
+
+
+def kind_shares(categories: list[str] | None = None) -> dict[str, float]:
+    """The share of turns each kind gets for a workload of prompts with these categories (one entry per prompt):
+    the even mix for none, else EVEN_SHARE of it and the rest in proportion to the prompts' kinds."""
+    even = {k: KINDS.count(k) / len(KINDS) for k in dict.fromkeys(KINDS)}
+    if not categories:
+        return even
+    workload = dict.fromkeys(even, 0.0)
+    for category in categories:
+        kind = kind_of(category)
+        for k, share in ({kind: 1.0} if kind else even).items():
+            workload[k] += share / len(categories)
+    return {k: EVEN_SHARE * even[k] + (1 - EVEN_SHARE) * workload[k] for k in even}
 
 
 @lru_cache(maxsize=1)
@@ -48,11 +82,13 @@ def excerpt(text: str, most: int = 700) -> str:
 class Bank:
     """An endless, seeded stream of general prompts; `use` gives it the target's answers for the text tasks."""
 
-    def __init__(self, seed: int = 0, avoid: list[str] | set[str] | None = None):
+    def __init__(self, seed: int = 0, avoid: list[str] | set[str] | None = None, categories: list[str] | None = None):
         self.rng = random.Random(seed)
         self.seen = {normalised(p) for p in avoid or ()}  # prompts never to ask (the user's, the held-out ones)
         self.texts: list[str] = []
-        self.turn = 0
+        self.shares = kind_shares(categories)
+        self.credit = dict.fromkeys(self.shares, 0.0)  # smooth weighted round robin: each kind in its share, spread
+        self.repeats = dict.fromkeys(self.shares, 0)
 
     def use(self, texts: list[str]) -> None:
         """The target's own answers, inputs for the text tasks (the longer ones; the most recent kept)."""
@@ -64,14 +100,27 @@ class Bank:
         for _ in range(50 * n):
             if len(out) == n:
                 break
-            kind = KINDS[self.turn % len(KINDS)]
-            self.turn += 1
+            kind = self._turn()
             text = self._one("topic" if kind == "text" and not self.texts else kind)
             key = normalised(text)
-            if key not in self.seen:
-                self.seen.add(key)
-                out.append((prompt_id(text, "bank"), text))
+            if key in self.seen:
+                self.repeats[kind] += 1
+                if self.repeats[kind] >= SPENT_AFTER and kind != "topic":  # subjects under patterns never run out
+                    self.shares[kind] = 0.0
+                continue
+            self.repeats[kind] = 0
+            self.seen.add(key)
+            out.append((prompt_id(text, "bank"), text))
         return out
+
+    def _turn(self) -> str:
+        """The kind furthest behind its share (nginx's smooth weighted round robin: exact shares, evenly spread)."""
+        live = {k: s for k, s in self.shares.items() if s > 0} or {"topic": 1.0}
+        for k, s in live.items():
+            self.credit[k] += s
+        kind = max(live, key=lambda k: self.credit[k])
+        self.credit[kind] -= sum(live.values())
+        return kind
 
     def _one(self, kind: str) -> str:
         b, r = bank(), self.rng

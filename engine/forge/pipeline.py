@@ -33,6 +33,7 @@ from typing import Iterator
 import torch
 
 from engine.errors import blame
+from engine.forge import BANKS
 from engine.forge import data as D
 from engine.forge import train as T
 
@@ -59,6 +60,7 @@ class ForgeConfig:
     max_new_tokens: int = 128
     temperature: float = 0.8  # the sampled answers' (each prompt is answered greedily too)
     general: bool = True  # general prompts (engine.forge.bank) beside the given ones once those are answered
+    bank: str = "workload"  # BANKS: general prompts' kinds in proportion to the given prompts' categories, or "even"
     variations: bool = True  # without general prompts: the target writes new prompts when the given ones are spent
     # train-time-test steps, the longest draft trained (--gamma-max); 0: 2 on a CPU, 4 on a GPU. Training is what a
     # CPU's budget runs short of (validation acceptance still climbing at the end of 15 minutes), a step costs about
@@ -172,6 +174,7 @@ class Forge:
         self.state = self._read_state()
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.data_note = ""  # why the data phase ended early (the disk), when it did
+        self.bank_shares: dict | None = None  # the general prompts' kinds (engine.forge.bank.kind_shares)
 
     # -- state on disk (resume) --
     def _read_state(self) -> dict:
@@ -318,8 +321,10 @@ class Forge:
         from engine.forge.bank import Bank
 
         cfg, tok = self.cfg, self.loaded.tokenizer
-        asked = [i.prompt for i in self.train_set.items + self.val_set.items + self.held_set.items]
-        general = Bank(cfg.seed, asked)
+        given = self.train_set.items + self.val_set.items + self.held_set.items
+        categories = [i.category for i in given] if cfg.bank == "workload" else None
+        general = Bank(cfg.seed, [i.prompt for i in given], categories)
+        self.bank_shares = general.shares.copy()
         general.use([t[1]["content"] for t in talks.values() if len(t) > 1])
         first = [(i, encode_prompt(tok, p, self.chat)) for i, p in general.take(min(32, cfg.batch_size))]
         for b in D.batches(first, cfg.batch_size, (0.0,), cfg.max_new_tokens, ("general",)):
@@ -454,7 +459,8 @@ class Forge:
                      "train_answer_tokens": self.dataset.answer_tokens(),
                      "val_answer_tokens": self.dataset.answer_tokens("val"),
                      "sources": _sources(self.dataset.train), "bytes": self.dataset.bytes(),
-                     "dtype": self.data_dtype, "stopped": self.data_note or None},
+                     "dtype": self.data_dtype, "stopped": self.data_note or None,
+                     "general_kinds": self.bank_shares},
             "vocabulary": self.vocab, "training": self.trainer.report(),
         }  # fmt: skip
 
@@ -500,6 +506,10 @@ class Forge:
 
             raise UserError(f"gamma max {self.cfg.steps}: train 1 to {MAX_STEPS} draft positions, or 0 for the "
                             "machine's default (2 on a CPU, 4 on a GPU).")  # fmt: skip
+        if self.cfg.bank not in BANKS:
+            from engine.errors import UserError
+
+            raise UserError(f"general prompts {self.cfg.bank!r}: use {' or '.join(BANKS)}.")
         self.train_set, self.val_set, self.held_set = prompt_sets(self.cfg)  # a bad file fails before loading
         yield from self.load()
         yield from self.make_data()
