@@ -39,6 +39,9 @@ from engine.forge import train as T
 
 ASK_TEMPERATURE = 0.7  # new prompts written by the target: at 1.0 a small target's drift into noise
 MAX_STEPS = 8  # train-time-test steps: EAGLE-3 trains 7
+# general prompts taken for this many batches at once and batched by length: a text to rewrite is ~200 tokens where
+# a question is ~45, and a few of them in a batch padded every row's prefill to their length
+GENERAL_GROUP = 4
 VAL_SHARE = 0.1  # of the training side's prompts (and of the target's new prompts): validation, never trained on
 
 
@@ -314,9 +317,9 @@ class Forge:
 
     def _general(self, talks: dict[str, list[dict]], val_ids: set[str],
                  deadline: float) -> Iterator[tuple[str, D.Batch]]:  # fmt: skip
-        """General prompts (engine.forge.bank) in full batches, a round of follow-ups on the given prompts between
-        them while there are rounds left; each prompt answered once, greedily or sampled by turns. A first batch of
-        them, answered greedily, is validation data: new subjects, as the held-out prompts are."""
+        """General prompts (engine.forge.bank) in full batches of similar lengths, a round of follow-ups on the given
+        prompts between them while there are rounds left; each prompt answered once, greedily or sampled by turns. A
+        first batch of them, answered greedily, is validation data: new subjects, as the held-out prompts are."""
         from engine.decoding.runtime import encode_prompt
         from engine.forge.bank import Bank
 
@@ -329,13 +332,15 @@ class Forge:
         first = [(i, encode_prompt(tok, p, self.chat)) for i, p in general.take(min(32, cfg.batch_size))]
         for b in D.batches(first, cfg.batch_size, (0.0,), cfg.max_new_tokens, ("general",)):
             yield "val", b
-        round_ = 0
+        round_, pending = 0, []
         while time.perf_counter() < deadline and not self.stop.is_set():
             if round_ < len(D.FOLLOW_UPS):
                 yield from self._follow_ups(talks, val_ids, round_)
                 round_ += 1
-            prompts = sorted(((i, encode_prompt(tok, p, self.chat)) for i, p in general.take(cfg.batch_size)),
-                             key=lambda x: len(x[1]))  # fmt: skip
+            if not pending:  # a few batches' worth at a time, by length: the long ones padded together
+                pending = sorted(((i, encode_prompt(tok, p, self.chat)) for i, p in general.take(
+                    GENERAL_GROUP * cfg.batch_size)), key=lambda x: len(x[1]))  # fmt: skip
+            prompts, pending = pending[: cfg.batch_size], pending[cfg.batch_size :]
             temperatures = [0.0 if k % 2 == 0 else cfg.temperature for k in range(len(prompts))]
             yield "train", D.Batch([p for _, p in prompts], [i for i, _ in prompts], temperatures,
                                    cfg.max_new_tokens, "general")  # fmt: skip
