@@ -12,7 +12,8 @@ The kinds take turns in proportion to the workload: each given prompt's category
 questions and creative writing: subjects under task patterns; code: code tasks; ...), and a quarter of the turns
 keep the even mix, for what a category's name does not say. On the bundled model (AMX Xeon, 15-minute forges
 measured on the open-ended suite prompts, none trained on) subjects alone lifted the head's first-draft hits from
-0.33 to 0.38 and the top-3 tree's speedup from 1.15x to 1.40x against the even mix.
+0.33 to 0.38 and the top-3 tree's speedup from 1.15x to 1.40x against the even mix in the forges' own tables (one
+pair per prompt); benched again with two pairs, 0.36 and 1.25x (docs/forge.md).
 """
 
 from __future__ import annotations
