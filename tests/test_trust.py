@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import re
+import statistics
 from dataclasses import replace
 
 from app import render
 from engine.decoding.metrics import StepEvent, summarise
 from engine.events import Comparison
 from engine.measure import report
-from engine.measure.trust import OtherLoad, RecentSpeeds, suspicions
+from engine.measure.trust import OtherLoad, RecentSpeeds, speed_key, suspicions
 from engine.settings import Settings
 
 
@@ -28,29 +30,94 @@ def comparison(base_s: float, spec_s: float, **extra) -> Comparison:
     return Comparison(Settings(), "p", base, spec, {"device": "cpu"}, **extra)
 
 
-def test_a_speedup_far_from_its_prediction_is_suspect():
+def test_a_speedup_far_above_its_prediction_is_suspect():
     c = comparison(1.0, 0.1, loaded_models=["bundled:smollm2-135m-instruct"])  # 10x measured, ~1x predicted
     reasons = suspicions(c, RecentSpeeds())
-    assert any("far from the" in r and "predict" in r for r in reasons)
+    assert any("times the" in r and "allow even with verifying as cheap as a one-token pass" in r for r in reasons)
     assert any("first run after loading bundled:smollm2-135m-instruct" in r for r in reasons)
     fair = comparison(1.0, 1.0)
     assert suspicions(fair, RecentSpeeds()) == []  # measured ~ predicted, nothing known to compare with
 
 
-def test_a_side_far_from_its_recent_runs_is_suspect():
+def test_a_speedup_far_below_its_prediction_is_a_slowdown_to_explain_not_a_doubt():
+    """A verify pass that costs several one-token passes makes a run far slower than Leviathan's formula (which
+    counts it as one): that is what the machine does, said by engine.measure.explain, not a sign of disturbance."""
+    slow = comparison(0.1, 1.0)  # 0.1x measured, ~1x predicted
+    assert suspicions(slow, RecentSpeeds()) == []
+
+
+def test_busy_runs_do_not_set_what_usual_means_for_a_quiet_run():
+    """Issue 57: after a busy minute quiet runs kept 'Not a trustworthy speedup yet', because the busy runs had
+    entered the recent-speeds history. Only clean runs enter it, so a quiet run after busy ones is not doubted."""
     recent = RecentSpeeds()
+    for _ in range(4):  # a busy minute: each run flagged for the load it was measured beside, and ten times slower
+        busy = comparison(10.0, 10.0, other_load=0.6)
+        assert [r for r in suspicions(busy, recent) if "machine was busy" in r]
+    assert recent.usual(speed_key(busy)) == []  # none of the flagged runs is remembered
+    quiet = comparison(1.0, 1.0)
+    assert suspicions(quiet, recent) == []
     for _ in range(3):
         assert suspicions(comparison(1.0, 1.0), recent) == []
-    slow = comparison(10.0, 10.0)  # both sides ten times slower than their recent runs
+    assert suspicions(comparison(0.5, 0.5), recent) == []  # faster than its history: the history's problem
+
+
+def test_a_baseline_far_slower_than_its_clean_runs_is_suspect_and_kept_out_of_them():
+    recent = RecentSpeeds()
+    for _ in range(2):
+        assert suspicions(comparison(1.0, 1.0), recent) == []
+    assert suspicions(comparison(10.0, 10.0), recent) == []  # two clean runs do not yet say what usual is
+    recent = RecentSpeeds()
+    for _ in range(3):
+        suspicions(comparison(1.0, 1.0), recent)
+    key = speed_key(comparison(1.0, 1.0))
+    before = recent.usual(key)
+    slow = comparison(10.0, 10.0)  # both sides ten times slower than the recent clean runs
     reasons = suspicions(slow, recent)
-    assert any(r.startswith("the baseline ran at 1.9 tok/s where its recent runs") for r in reasons)
-    assert any(r.startswith("the speculative ran at") for r in reasons)
+    assert reasons == [f"the baseline ran at 1.9 tok/s, under half the {statistics.median(before):.1f} tok/s median "
+                       "of this model's 3 recent clean runs here: run again to see whether something else slowed it"]
+    assert recent.usual(key) == before  # the doubted run is not remembered
+    assert suspicions(comparison(1.0, 10.0), recent) == []  # the speculative side alone slower: the prompt's doing
+
+
+def test_recent_runs_expire_so_a_slower_machine_becomes_the_usual():
+    now = [0.0]
+    recent = RecentSpeeds(keep_s=600, clock=lambda: now[0])
+    for _ in range(3):
+        suspicions(comparison(1.0, 1.0), recent)
+    assert suspicions(comparison(10.0, 10.0), recent)  # slower than the clean runs of a minute ago
+    now[0] = 601.0
+    assert suspicions(comparison(10.0, 10.0), recent) == []  # they expired: this speed starts the new history
+
+
+def numbers(text: str) -> list[float]:
+    return [float(x) for x in re.findall(r"\d+(?:\.\d+)?", text)]
+
+
+def test_each_reason_s_numbers_agree_with_its_claim():
+    """Issue 57 showed 'ran at 18.6 tok/s where its recent runs here ran at 0.9-19.7': a claim its own numbers
+    contradict. Each reason's numbers now bear out what it says, and each says what would settle it."""
+    recent = RecentSpeeds()
+    for _ in range(3):
+        suspicions(comparison(1.0, 1.0), recent)
+    c = comparison(10.0, 1.0, other_load=0.4, loaded_models=["m"])  # baseline slowed: 10x measured
+    c.environment = {"device": "cpu", "step_s_at_load": 0.02}
+    reasons = suspicions(c, recent)
+    assert len(reasons) == 5 and all("run again" in r or r.startswith("it was the first run") for r in reasons)
+    far, load, busy, history, first = reasons
+    measured, factor, predicted = numbers(far)[:3]
+    assert factor > 2 and abs(measured / predicted - factor) < 0.1
+    base, load_speed, ms = numbers(load)[:3]
+    assert base < load_speed / 2 and abs(1000 / ms - load_speed) < 0.5
+    assert numbers(busy)[0] == 40 and "machine was busy" in busy
+    speed, median, runs = numbers(history)[:3]
+    assert speed < median / 2 and runs == 3
+    assert first == "it was the first run after loading m, whose caches were still settling"
 
 
 def test_a_busy_machine_is_named_and_stopped_runs_are_not_judged():
     busy = comparison(1.0, 1.0, other_load=0.6)
-    assert suspicions(busy, RecentSpeeds()) == ["other processes used 60% of the CPUs during the runs: the machine "
-                                                "was busy"]  # fmt: skip
+    assert suspicions(busy, RecentSpeeds()) == ["other processes used 60% of the CPUs during the runs, so the machine "
+                                                "was busy: run again when it is quiet"]  # fmt: skip
     stopped = replace(comparison(1.0, 0.1), speculative=None)
     assert suspicions(stopped, RecentSpeeds()) == []
     assert 0.0 <= OtherLoad().share() <= 1.0
@@ -101,7 +168,8 @@ def test_a_baseline_far_slower_than_the_pass_timed_at_load_is_suspect():
     slow = comparison(1.0, 1.0)  # the baseline runs at ~19 tok/s
     slow.environment = {"device": "cpu", "step_s_at_load": 0.005}  # 5 ms a token when the model was loaded
     reasons = suspicions(slow, RecentSpeeds())
-    assert any("timed when it was loaded, took 5 ms (about 200 tok/s)" in r for r in reasons)
+    assert any("ran at 19.0 tok/s, under half the 200.0 tok/s of a one-token pass of this model timed when it was "
+               "loaded (5.0 ms)" in r for r in reasons)
     usual = comparison(1.0, 1.0)
     usual.environment = {"device": "cpu", "step_s_at_load": 0.045}
     assert suspicions(usual, RecentSpeeds()) == []
