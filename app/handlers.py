@@ -188,6 +188,7 @@ class Live:
             stopped=bool(done and done.stopped),
             suspect=done.suspect if done else None,
             environment=done.environment if done else None,
+            explanation=done.explanation if done else "",
         )
         figure = charts.as_plot(charts.live_figure(base, spec)) if chart else gr.skip()
         return self.status_line(), base_pane, spec_pane, summary, figure
@@ -221,12 +222,13 @@ def write_downloads(c: Comparison | None, history: list[list]) -> list[str]:
 
 
 def api_result(c: Comparison | None) -> dict:
-    """What an API client most wants: both texts, the key metrics, the losslessness verdict."""
+    """What an API client most wants: both texts, the key metrics, the losslessness verdict, and why speculation
+    lost or won under its prediction."""
     if c is None:
         return {}
     data = c.to_dict(with_steps=False)
-    keys = ("status", "baseline", "speculative", "identical", "verdict", "speedup", "suspect", "settings",
-            "environment", "started_at", "finished_at")  # fmt: skip
+    keys = ("status", "baseline", "speculative", "identical", "verdict", "speedup", "suspect", "explanation",
+            "settings", "environment", "started_at", "finished_at")  # fmt: skip
     return {k: data[k] for k in keys}
 
 

@@ -206,10 +206,10 @@ def environment_line(env: dict | None) -> str:
 
 def summary(
     base: Metrics | None, spec: Metrics | None, verdict, speedup: float | None, stopped: bool = False,
-    suspect: list[str] | None = None, environment: dict | None = None,
+    suspect: list[str] | None = None, environment: dict | None = None, explanation: str = "",
 ) -> str:  # fmt: skip
-    """The verdict badge, the cards and where they were measured. A suspect run shows why instead of its
-    speedup."""
+    """The verdict badge, the cards, why speculation lost or won under its prediction (`explanation`, from
+    engine.measure.explain) and where they were measured. A suspect run shows why instead of its speedup."""
     if stopped:
         return f'<div class="sa-summary">{verdict_badge(None, stopped=True)}</div>'
     if base is None or spec is None:
@@ -237,14 +237,13 @@ def summary(
     if suspect:
         doubt = (
             '<div class="sa-suspect" role="note">⚠ <b>Not a trustworthy speedup yet</b>: '
-            + escape("; ".join(suspect))
-            + ". A first run after loading a model, or one beside other work, is often slower than this machine "
-            "is. <b>Run again</b> to measure what it does.</div>"
+            + escape("; ".join(suspect)) + ".</div>"
         )
     cards_html = "".join(cards)
+    why = f'<div class="sa-why" role="note">{escape(explanation)}</div>' if explanation else ""
     return (
         f'<div class="sa-summary">{verdict_badge(verdict)}{doubt}<div class="sa-cards">{cards_html}</div>'
-        f"{environment_line(environment)}</div>"
+        f"{why}{environment_line(environment)}</div>"
     )
 
 

@@ -219,6 +219,8 @@ def summary(result) -> str:
     ]
     if s.tree_nodes:
         lines.append(f"draft trees: {s.tree_nodes:.1f} nodes verified per target pass")
+    if result.explanation:  # why speculation lost, or won under its prediction (engine.measure.explain)
+        lines.append(result.explanation)
     strict = env.get("strict") or {}
     if strict.get("width"):
         lines.append(f"strict mode: every target pass {strict['width']} rows wide ({strict_cost(strict)})")

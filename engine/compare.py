@@ -22,6 +22,7 @@ from engine.backends.transformers import guarded, widest_pass
 from engine.decoding.metrics import RunResult, StepEvent, summarise
 from engine.decoding.runtime import BUCKETS, capacity
 from engine.events import Comparison, Done, Event, RunDone, RunStarts, Status, Step
+from engine.measure.explain import explain
 from engine.measure.trust import OtherLoad, suspicions
 from engine.settings import Settings, check_prompt
 
@@ -178,6 +179,7 @@ def stream_compare(s: Settings, prompt: str, stop: threading.Event | None = None
                        backend.loaded, load.share())  # fmt: skip
         c.suspect = suspicions(c)
         c.verdict = c.judge(backend.decode)
+        c.explanation = explain(c)
         yield Done(c)
 
 

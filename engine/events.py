@@ -3,7 +3,8 @@
 Status: a line of progress (loading, warming up, downloading). RunStarts: a timed run is next; its clocks
 start when the consumer asks for the next event, so a consumer can finish its own work first. Step: one
 target pass of a run, as the loop yielded it. RunDone: a run's RunResult. Done: the whole Comparison, both
-runs with their verdict (engine.decoding.lossless) and what may make their speedup doubtful (engine.measure.trust).
+runs with their verdict (engine.decoding.lossless), what may make their speedup doubtful (engine.measure.trust) and why
+speculation lost, or won less than predicted (engine.measure.explain).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class Comparison:
     other_load: float = 0.0  # share of all CPUs other processes used during the two runs (engine.measure.trust)
     suspect: list[str] = field(default_factory=list)  # why the speedup may not be what this machine does
     verdict: Judgement | None = None  # is the output the baseline's, and if not, why (engine.decoding.lossless)
+    explanation: str = ""  # why speculation lost or won under its prediction, in its numbers (engine.measure.explain)
 
     @property
     def stopped(self) -> bool:
@@ -103,6 +105,7 @@ class Comparison:
             "verdict": self.verdict.to_dict() if self.verdict else None,
             "speedup": self.speedup,
             "suspect": self.suspect,
+            "explanation": self.explanation,
             "other_load": self.other_load,
             "loaded_models": self.loaded_models,
             "started_at": self.started_at,

@@ -6,7 +6,8 @@
     hfcompare   ours against Hugging Face generate() and assisted generation, in one process
     load        server backends under concurrent load; overhead: our path on vLLM against raw reads
     predict     the Leviathan model fitted to measured alpha, draft cost and verify cost
-    trust       reasons to doubt a speedup (a busy machine, a first run, far from prediction)
+    trust       reasons to doubt a speedup (a busy machine, a first run, far above prediction, a slowed baseline)
+    explain     why speculation lost, or won under its prediction, in the run's own costs
     report      exports: JSON, CSV, settings and the engines' command lines
     gpucheck    the one-shot diagnosis of the GPU path
 """
