@@ -9,9 +9,7 @@ there.
 
 from __future__ import annotations
 
-import logging
 import math
-import queue
 import re
 import threading
 import time
@@ -21,15 +19,13 @@ from types import SimpleNamespace
 import gradio as gr
 import plotly.graph_objects as go
 
-from app import gpu, prompt_sets, render
-from app.handlers import RENDER_EVERY, STOPS, job_failure, session_of
-from app.handlers import _error as api_error
+from app import gpu, jobs, prompt_sets, render
+from app.handlers import RENDER_EVERY, STOPS, session_of
+from app.jobs import api_error, job_failure
 from engine import policy
 from engine.errors import UserError, blame
 from engine.forge import DATA_DTYPES
 from engine.measure import promptsets
-
-log = logging.getLogger("specarena")
 
 HELP = """Train an **EAGLE-3 head** for the target on this machine, from the target's own answers to the prompts
 below (the prompt set above when one is loaded, else the chosen task categories; its held-out share, 0.2 when
@@ -206,15 +202,9 @@ def plan(target, minutes, out, pays, categories, file=None, dataset="", seed="",
 
 
 def marked(exc: UserError) -> tuple[str, str]:
-    """(status line, field mark): the message once, under the field at fault, as the Lab marks its own."""
-    log.warning("forge refused: %s%s", exc, f" (field: {exc.field})" if exc.field else "")
-    if exc.field == "target":  # the forge's own name for it (its --target): here the forge's target box
-        exc.field = "forge_target"
-    labels = FIELDS | SHARED
-    if exc.field not in labels:
-        return render.status_line(f"not started: {exc}", error=True), ""
-    return (render.status_line(f"not started: check {labels[exc.field]}, as marked", error=True),
-            render.field_error(exc, field_id(exc.field)))  # fmt: skip
+    """(status line, field mark): the message once, under the field at fault, as the Lab marks its own; the forge's
+    `target` (its --target) is the forge's target box here."""
+    return jobs.marked(exc, "forge", FIELDS | SHARED, field_id, {"target": "forge_target"})
 
 
 def forge_seconds(target=None, minutes=15, *args, **kwargs) -> int:
@@ -231,27 +221,15 @@ def forge_seconds(target=None, minutes=15, *args, **kwargs) -> int:
 
 def events(cfg, stop: threading.Event):
     """The forge's events, from a thread of its own (each step on the engine thread, engine.worker), with the final
-    measurement's progress (`notify`) among them; None at the end; an error raised here."""
+    measurement's progress (`notify`) among them; an error raised here."""
     from engine.forge import forge_events
     from engine.worker import ENGINE
 
-    found: queue.SimpleQueue = queue.SimpleQueue()
-    failure: list[BaseException] = []
+    def work(put):
+        for event in ENGINE.iterate(forge_events(cfg, stop, notify=put)):
+            put(event)
 
-    def work():
-        try:
-            for event in ENGINE.iterate(forge_events(cfg, stop, notify=found.put)):
-                found.put(event)
-        except BaseException as exc:  # noqa: BLE001 - raised in the caller below
-            failure.append(exc)
-        finally:
-            found.put(None)
-
-    threading.Thread(target=work, name="specarena-forge", daemon=True).start()
-    while (event := found.get()) is not None:
-        yield event
-    if failure:
-        raise failure[0]
+    return jobs.follow(work, "specarena-forge")
 
 
 def status_text(event) -> str:
@@ -436,8 +414,6 @@ def wire(f: SimpleNamespace, lab: SimpleNamespace, play: SimpleNamespace) -> Non
     for component in shared[:3]:
         component.change(describe_prompts, inputs=shared[:3], outputs=[f.prompts], queue=False,
                          api_visibility="private")  # fmt: skip
-    from app.layout import unmark_when_edited
-
     for name, component in [*((n, getattr(f, n.removeprefix("forge_"))) for n in FIELDS),
                             *((n, getattr(lab, n)) for n in SHARED)]:  # fmt: skip
-        unmark_when_edited(component, f.form_error, f.status, f'data-where="{field_id(name)}"')
+        render.unmark_when_edited(component, f.form_error, f.status, f'data-where="{field_id(name)}"')

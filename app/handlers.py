@@ -19,6 +19,7 @@ from pathlib import Path
 import gradio as gr
 
 from app import charts, render
+from app.jobs import api_error
 from app.memory import SAMPLER
 from engine import policy, presets
 from engine.compare import stream_compare
@@ -232,26 +233,6 @@ def api_result(c: Comparison | None) -> dict:
     return {k: data[k] for k in keys}
 
 
-def _error(exc: UserError) -> gr.Error:
-    """The message for an API caller. The page shows it once, where it belongs (under the field at fault, or in
-    the status line), so no toast repeats it."""
-    where = f" (field: {exc.field})" if exc.field else ""
-    return gr.Error(f"{exc}{where}", visible=False, print_exception=False)
-
-
-def job_failure(exc: Exception, marked, what: str) -> tuple[str, str, gr.Error]:
-    """A Lab job (a sweep, a forge) that failed: (status line, field mark, the error for API callers). A user's mistake
-    is marked under its field by `marked` (the job's own field table); a fault of ours is logged with its traceback and
-    said in one sentence, and the app keeps serving. Call it inside the `except`."""
-    if isinstance(exc, UserError):
-        status, mark = marked(exc)
-        status = status.replace("not started", "failed") if mark else render.status_line(f"failed: {exc}", error=True)
-        return status, mark, _error(exc)
-    log.exception("%s failed", what)
-    exc = UserError(f"the {what} failed unexpectedly ({type(exc).__name__}: {exc}); the app is still running.")
-    return render.status_line(f"failed: {exc}", error=True), "", _error(exc)
-
-
 # Where each setting sits in the sidebar (fields not named here sit at its top, always in view); a field error
 # opens the sidebar and the field's group, so that the message under the field is seen.
 GROUPS = ("speculation", "sampling", "numerics")
@@ -297,7 +278,7 @@ def compare(prompt, history, request: gr.Request, **form):
         except UserError as exc:  # nothing ran: mark the field (the message sits under it), count no run
             status, error, *opened = refused(exc)
             yield (gr.skip(), status, *skip, error, gr.skip(), *opened)
-            raise _error(exc) from None
+            raise api_error(exc) from None
         RUNNING[session] = {"prompt": prompt, **form}
         yield from _stream(s, prompt, history, session, stop)
     finally:
@@ -328,7 +309,7 @@ def _stream(s: Settings, prompt: str, history: list, session: str, stop: threadi
             # refused field, not a run
             status, error, *opened = refused(exc)
             yield (gr.skip(), status, *Live().outputs()[1:], *skip[:3], error, gr.skip(), *opened)
-            raise _error(exc) from None
+            raise api_error(exc) from None
         if not isinstance(exc, UserError):
             log.exception("comparison failed")
             exc = UserError(f"the run failed unexpectedly ({type(exc).__name__}: {exc}); the app is still running.")
@@ -338,7 +319,7 @@ def _stream(s: Settings, prompt: str, history: list, session: str, stop: threadi
         history.append(history_row(s, "failed"))
         yield (gr.skip(), *live.outputs(), history, history, write_downloads(None, history),
                render.field_error(exc) if exc.field else "", gr.skip(), *reveal(exc.field))  # fmt: skip
-        raise _error(exc) from None
+        raise api_error(exc) from None
     c = live.comparison
     history.append(history_row(s, c.status + (" (suspect)" if c.suspect else ""), c))
     yield (api_result(c), *live.outputs(), history, history, write_downloads(c, history), "",

@@ -6,12 +6,7 @@ measuring is engine.measure.bench; this module lays out, wires and draws.
 
 from __future__ import annotations
 
-import logging
-import queue
 import tempfile
-import threading
-import time
-from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,20 +14,19 @@ from types import SimpleNamespace
 import gradio as gr
 import plotly.graph_objects as go
 
-from app import forge_panel, prompt_sets, render
+from app import forge_panel, jobs, prompt_sets, render
 from app.gpu import on_gpu, sweep_seconds
-from app.handlers import RENDER_EVERY, STOPS, job_failure, session_of, settings_from
-from app.handlers import _error as api_error
+from app.handlers import RENDER_EVERY, STOPS, session_of, settings_from
+from app.jobs import api_error, job_failure
 from engine import presets
 from engine.errors import UserError
 from engine.measure import report
 from engine.measure.bench import Stopped, sweep
 from engine.measure.load import load_curve
 from engine.measure.report import option_label
-from engine.settings import LABELS, Settings
+from engine.settings import Settings
 from engine.worker import ENGINE
 
-log = logging.getLogger("specarena")
 GAMMAS = [1, 2, 3, 4, 5, 6, 8, 12, 16]
 COLORS = ["#7c3aed", "#16a34a", "#f59e0b", "#2563eb", "#dc2626", "#0ea5e9"]
 
@@ -233,17 +227,8 @@ def field_id(name: str) -> str:
 
 def marked(exc: UserError) -> tuple[str, str]:
     """(status line, field mark) as the Playground shows a refused value: the message once, under the field at
-    fault (the Lab's, or the sidebar's for the pair and sampling settings), the status line pointing at it. The
-    server log gets one line."""
-    log.warning("sweep refused: %s%s", exc, f" (field: {exc.field})" if exc.field else "")
-    field = SWEPT.get(exc.field, exc.field)
-    if field in LAB_FIELDS:
-        where, label = field_id(field), LAB_FIELDS[field]
-    elif field:
-        where, label = render.field_id(field), f"{LABELS.get(field, field)} (in the settings)"
-    else:
-        return render.status_line(f"not started: {exc}", error=True), ""
-    return render.status_line(f"not started: check {label}, as marked", error=True), render.field_error(exc, where)
+    fault (the Lab's, or the sidebar's for the pair and sampling settings), the status line pointing at it."""
+    return jobs.marked(exc, "sweep", LAB_FIELDS, field_id, SWEPT, sidebar=True)
 
 
 def plan(gammas, temperatures, drafters, categories, per_category, repeats, sweep_max_new_tokens, concurrency,
@@ -292,27 +277,14 @@ def with_progress(work):
     """work(report) in a thread of its own (its torch work goes to the engine thread, as every run's); yields a
     status line as it reports (report(done, total, what)), at most every RENDER_EVERY seconds, and returns its
     result or raises its error."""
-    reports: queue.SimpleQueue = queue.SimpleQueue()
-    future: Future = Future()
-
-    def target():
+    lines = jobs.follow(lambda put: work(lambda done, total, what: put((done, total, what))), "specarena-sweep",
+                        every=RENDER_EVERY)  # fmt: skip
+    while True:
         try:
-            future.set_result(work(lambda done, total, what: reports.put((done, total, what))))
-        except BaseException as exc:  # noqa: BLE001 - raised in the caller below
-            future.set_exception(exc)
-
-    threading.Thread(target=target, name="specarena-sweep", daemon=True).start()
-    latest, shown = None, 0.0
-    while not future.done() or not reports.empty():
-        try:
-            latest = reports.get(timeout=0.25)
-        except queue.Empty:
-            pass
-        if latest and time.monotonic() - shown >= RENDER_EVERY:
-            done, total, what = latest
-            yield f"sweeping, {done} of {total} done: {what}"
-            shown, latest = time.monotonic(), None
-    return future.result()
+            done, total, what = next(lines)
+        except StopIteration as finished:
+            return finished.value
+        yield f"sweeping, {done} of {total} done: {what}"
 
 
 def run_sweep(
@@ -463,11 +435,9 @@ def wire(ui: SimpleNamespace, play: SimpleNamespace) -> None:
     prompt_sets.wire(ui.prompt_set, ui.categories)
     forge_panel.wire(ui.forge, ui, play)
     # editing the marked field takes its mark away (the Lab's own fields, and the sidebar's it may mark)
-    from app.layout import unmark_when_edited
-
     for name, component in [*((field_id(n), getattr(ui, n)) for n in LAB_FIELDS),
                             *((render.field_id(n), c) for n, c in play.form.items())]:  # fmt: skip
-        unmark_when_edited(component, ui.form_error, ui.status, f'data-where="{name}"')
+        render.unmark_when_edited(component, ui.form_error, ui.status, f'data-where="{name}"')
     # what the sweep will use, kept in step with the Playground's fields
     ui.uses.value = show_uses(**{name: component.value for name, component in play.form.items()})
     for component in play.form.values():

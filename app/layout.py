@@ -157,23 +157,6 @@ def build_playground(ui: SimpleNamespace) -> None:
     ui.result = gr.JSON(label="result", visible=False)
 
 
-# Editing a field takes its error mark away, and a status that reported a failure with it (in the browser: no
-# round trip): the status follows the form rather than keeping an error the user has already acted on.
-UNMARK = """(html, status) => {
-    const marked = (html || '').includes('data-field="NAME"');
-    const failed = (status || '').includes('sa-status-error');
-    return [marked ? '' : html, (marked || (failed && !(html || '').includes('data-field='))) ? EMPTY : status];
-}""".replace("EMPTY", repr(render.status_line("")))
-
-
-def unmark_when_edited(component, form_error, status, mark: str) -> None:
-    """Editing a field takes its error mark (`mark`: the attribute the error carries, data-field="..." or
-    data-where="...") away, in the browser. On change, not input: Gradio's textboxes report input for keys typed
-    only, so a value pasted or dropped in left the message under a field already mended."""
-    component.change(None, [form_error, status], [form_error, status], js=UNMARK.replace('data-field="NAME"', mark),
-                     queue=False, api_visibility="private")  # fmt: skip
-
-
 # On a phone the sidebar would cover the page: it starts closed there (Gradio opens it everywhere or nowhere).
 CLOSE_ON_PHONES = """() => { if (window.innerWidth < 768) {
     const bar = document.querySelector('#settings');
@@ -220,7 +203,7 @@ def wire(ui: SimpleNamespace) -> None:
         api_visibility="private",
     )
     for name, component in {"prompt": ui.prompt, **ui.form}.items():
-        unmark_when_edited(component, ui.form_error, ui.status, f'data-field="{name}"')
+        render.unmark_when_edited(component, ui.form_error, ui.status, f'data-field="{name}"')
         # during a run: which settings now apply to the next one (a preset changes several at once)
         component.change(handlers.changed_since_run, inputs=[ui.prompt], inputs_kwargs=ui.form,
                          outputs=[ui.next_note], preprocess=False, **quick)  # fmt: skip

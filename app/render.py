@@ -275,6 +275,25 @@ def field_error(exc: UserError, elem_id: str | None = None) -> str:
             f'data-where="{escape(elem_id, quote=True)}">{style}</div>')
 
 
+# Editing a field takes its error mark away, and a status that reported a failure with it (in the browser: no
+# round trip): the status follows the form rather than keeping an error the user has already acted on.
+UNMARK = """(html, status) => {
+    const marked = (html || '').includes('data-field="NAME"');
+    const failed = (status || '').includes('sa-status-error');
+    return [marked ? '' : html, (marked || (failed && !(html || '').includes('data-field='))) ? EMPTY : status];
+}"""
+
+
+def unmark_when_edited(component, form_error, status, mark: str) -> None:
+    """Editing a field takes its error mark (`mark`: the attribute the error carries, data-field="..." or
+    data-where="...", as field_error writes them) away, in the browser. On change, not input: Gradio's textboxes
+    report input for keys typed only, so a value pasted or dropped in left the message under a field already
+    mended."""
+    js = UNMARK.replace('data-field="NAME"', mark).replace("EMPTY", repr(status_line("")))
+    component.change(None, [form_error, status], [form_error, status], js=js, queue=False,
+                     api_visibility="private")  # fmt: skip
+
+
 def status_line(text: str, detail: str = "", error: bool = False) -> str:
     """The one-line status. A failure is one sentence (what failed, the likely cause, what to do); what a reader
     may want besides, such as the end of a crashed server's log, is folded under it."""
