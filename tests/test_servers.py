@@ -107,3 +107,59 @@ def test_a_server_killed_by_a_signal_is_reported_by_its_name_in_one_line():
     message = str(err.value)
     assert message.startswith("engine was killed by signal 11 (SIGSEGV) while starting; it said: warming up (its log")
     assert "\n" not in message and "warming up" in err.value.detail
+
+
+def tagged(backend: str, role: str, model: str = "bundled") -> Server:
+    port = free_port()
+    return Server(f"{backend} {role}", http_server(port), port, "/", backend=backend, model=model, role=role)
+
+
+@pytest.fixture
+def two_backends(monkeypatch):
+    """The engine's pool with vLLM's two servers up and llama.cpp's baseline: what switching backends leaves."""
+    from engine.backends import servers
+
+    pool = Pool()
+    monkeypatch.setattr(servers, "POOL", pool)
+    up = pool.get_many({("v", "b"): lambda: tagged("vllm", "baseline"),
+                        ("v", "s"): lambda: tagged("vllm", "speculative"),
+                        ("l", "b"): lambda: tagged("llama.cpp", "baseline", "model.gguf")}, timeout=30)  # fmt: skip
+    yield pool, up
+    pool.stop_all()
+
+
+def test_on_a_cpu_a_comparison_stops_the_other_backends_idle_servers_and_says_so(two_backends):
+    from engine.backends.servers import make_room, servers_up
+
+    pool, up = two_backends
+    listed = servers_up()
+    assert [(s["backend"], s["role"], s["model"]) for s in listed] == [
+        ("vllm", "baseline", "bundled"), ("vllm", "speculative", "bundled"), ("llama.cpp", "baseline", "model.gguf")]
+    assert all(s["port"] == up[key].port and 0 < s["since"] <= time.time() for s, key in zip(listed, up))
+    said = make_room("llama.cpp", gpu=None)
+    assert said == "stopped vLLM's 2 idle servers to free the CPUs for llama.cpp"
+    assert [s["backend"] for s in servers_up()] == ["llama.cpp"]  # its own backend's server stays
+    assert not answers(up[("v", "b")].port) and answers(up[("l", "b")].port)
+    assert make_room("llama.cpp", gpu=None) is None  # nothing left to stop: nothing said
+
+
+def test_a_server_answering_a_request_is_never_stopped_for_another_backend(two_backends):
+    from engine.backends.servers import make_room
+
+    pool, up = two_backends
+    with pool.in_use(up[("v", "s")].url):
+        said = make_room("llama.cpp", gpu=None)
+    assert said == "stopped vLLM's 1 idle server to free the CPUs for llama.cpp"
+    assert answers(up[("v", "s")].port) and not answers(up[("v", "b")].port)
+
+
+def test_on_a_gpu_the_other_backends_servers_stay_while_memory_allows(two_backends):
+    from engine.backends.servers import make_room
+
+    pool, up = two_backends
+    gib = 2**30
+    assert make_room("vllm", lambda: 30 * gib, gpu=(60 * gib, 80 * gib)) is None
+    assert len(pool.running()) == 3
+    said = make_room("vllm", lambda: 64 * gib, gpu=(60 * gib, 80 * gib))
+    assert said == "stopped llama.cpp's 1 idle server to free GPU memory for vLLM"
+    assert [s.backend for s in pool.running()] == ["vllm", "vllm"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -179,20 +178,31 @@ def head_gguf(s: Settings, progress=lambda message: None) -> Path:
     return out
 
 
+# What llama.cpp's convert_hf_to_gguf.py logs as it goes (build b11434): the last line that matches is its phase
+CONVERT_PHASES = [
+    (r"Loading model:|Model architecture:|indexing model part", "reading the model"),
+    (r"Exporting model|--> \w+, shape = ", "converting tensors"),
+    (r"Set meta model|Set model parameters|Set model tokenizer|gguf\.vocab:", "writing the metadata"),
+    (r"^Writing:\s+(\d+)%", "writing the file, {0}%"),
+    (r"successfully exported", "done"),
+]
+
+
 def to_gguf(folder: Path, out: Path, outtype: str, target: Path | None = None, progress=lambda message: None,
             what: str = "", field: str = "draft") -> Path:  # fmt: skip
     """`folder` (a transformers model, or a head with its target's folder as `target`) written to `out` by llama.cpp's
-    convert_hf_to_gguf.py, as `outtype` (f32, bf16, f16, q8_0)."""
+    convert_hf_to_gguf.py, as `outtype` (f32, bf16, f16, q8_0), saying its phase as it goes (a 1.7B model takes
+    minutes)."""
     from engine.backends.llamacpp_source import converter
-    from engine.backends.servers import last_error
+    from engine.backends.servers import last_error, run_watched
 
     script = converter(progress) / "convert_hf_to_gguf.py"
     out.parent.mkdir(parents=True, exist_ok=True)
     extra = ["--target-model-dir", str(target)] if target is not None else []
-    done = subprocess.run([sys.executable, "-c", CONVERT, str(script), str(folder), *extra, "--outtype", outtype,
-                           "--outfile", str(out)], capture_output=True, text=True)  # fmt: skip
-    if done.returncode or not out.is_file():
-        log = done.stdout + done.stderr
+    command = [sys.executable, "-c", CONVERT, str(script), str(folder), *extra, "--outtype", outtype, "--outfile",
+               str(out)]  # fmt: skip
+    code, log = run_watched(command, f"converting {what or folder.name} to GGUF ({outtype})", CONVERT_PHASES, progress)
+    if code or not out.is_file():
         raise UserError(f"llama.cpp's converter could not convert {what or folder}: {last_error(log)}",
                         field=field, detail="\n".join(log.splitlines()[-20:]))  # fmt: skip
     return out

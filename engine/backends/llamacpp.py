@@ -35,7 +35,7 @@ from typing import Generator, Iterator
 
 from engine.backends.heads import OUTTYPES, WIDTHS, files_digest, head_gguf, to_gguf
 from engine.backends.llamacpp_source import BUILD, SDIST, save_converter, unpack_sources
-from engine.backends.servers import POOL, Server, failure, free_port, http_json, remote_urls, sse
+from engine.backends.servers import POOL, Server, failure, free_port, http_json, make_room, remote_urls, sse
 from engine.decoding.metrics import StepEvent
 from engine.errors import UserError, blame
 from engine.events import Status
@@ -60,6 +60,18 @@ SPEC_TYPES = {"prompt-lookup": "ngram-simple", "draft-model": "draft-simple", "n
 NEEDED_FLAGS = ("--spec-type", "--spec-draft-n-max", "--spec-draft-n-min", "--spec-draft-p-min", "--spec-draft-model",
                 "--spec-draft-sampling", "--spec-ngram-simple-size-m", "--spec-ngram-map-k-size-m",
                 "--spec-ngram-mod-n-max", "--no-webui")  # fmt: skip
+# What llama-server (b11434) logs as it starts, and cmake as it configures and builds it: the last line that matches
+# one of these is the phase it is in.
+PHASES = [
+    (r"loading model '|llama_model_loader|load_tensors|print_info", "loading the model"),
+    (r"llama_context|llama_kv_cache|warming up the model", "warming up"),
+    (r"initializing slots|model loaded|listening on", "ready"),
+]
+BUILD_PHASES = [
+    (r"^-- ", "configuring"),
+    (r"^\[\s*\d+%\] Linking CXX executable", "linking llama-server"),
+    (r"^\[\s*(\d+)%\] (?:Building|Linking)", "compiling, {0}% done"),
+]
 INSTALL = (
     "Point SPECARENA_LLAMA_SERVER at a llama-server binary of a 2026 llama.cpp, or build one "
     "from source with `python -m engine build-llama-server` (about 10 minutes on 2 cores; cached in "
@@ -132,6 +144,7 @@ def build(progress=print, jobs: int | None = None) -> Path:
         if shutil.which(tool) is None:
             raise UserError(f"building llama-server needs {tool}: install cmake and a C++ compiler "
                             "(Debian: apt-get install cmake g++).")  # fmt: skip
+    from engine.backends.servers import run_watched
     from engine.models.loading import bundled_gguf
 
     bundled_gguf()  # the check model: better to say it is missing now than after ten minutes of compiling
@@ -146,9 +159,9 @@ def build(progress=print, jobs: int | None = None) -> Path:
         progress(f"building llama-server with {jobs} jobs (about 10 minutes on 2 cores)")
         for step in (["cmake", "-S", str(source), "-B", f"{work}/build", *flags],
                      ["cmake", "--build", f"{work}/build", "--target", "llama-server", "-j", str(jobs)]):  # fmt: skip
-            done = subprocess.run(step, capture_output=True, text=True)
-            if done.returncode:
-                tail = "\n".join((done.stdout + done.stderr).splitlines()[-20:])
+            code, log = run_watched(step, "building llama-server", BUILD_PHASES, progress)
+            if code:
+                tail = "\n".join(log.splitlines()[-20:])
                 raise UserError(f"building llama-server failed at `{' '.join(step[:3])}`.", detail=tail)
         install(next(Path(work, "build").rglob("llama-server")), progress)
     return target
@@ -160,7 +173,7 @@ def install(built: Path, progress=print) -> Path:
     target = cached_binary()
     progress("checking that the new llama-server generates on this CPU")
     try:
-        check_generates(built)
+        check_generates(built, progress=progress)
     except UserError as exc:
         raise UserError(f"the llama-server just built cannot generate on this CPU, so it was not cached: {exc}",
                         detail=exc.detail) from None  # fmt: skip
@@ -171,15 +184,15 @@ def install(built: Path, progress=print) -> Path:
     return target
 
 
-def check_generates(path: Path, tokens: int = 8) -> None:
+def check_generates(path: Path, tokens: int = 8, progress=lambda message: None) -> None:
     """Start `path` on the bundled GGUF and generate `tokens` tokens; a UserError says what failed."""
     from engine.models.loading import bundled_gguf
 
     port = free_port()
     server = Server("llama-server", server_command(path, bundled_gguf(), ["--spec-type", "none"], port), port,
-                    "/health", explain=crash_cause)  # fmt: skip
+                    "/health", explain=crash_cause, phases=PHASES)  # fmt: skip
     try:
-        server.start(START_TIMEOUT)
+        server.start(START_TIMEOUT, progress)
         payload = {"prompt": "The capital of France is", "n_predict": tokens, "cache_prompt": False}
         try:
             answer = http_json(server.url + "/completion", payload, timeout=120)
@@ -337,6 +350,9 @@ class LlamaCpp:
 
     def open(self, s: Settings) -> Iterator[Status]:
         urls = remote_urls("LLAMA")
+        freed = make_room(self.name, (lambda: 0) if urls else lambda: self.needs(s))
+        if freed:
+            yield Status(freed)
         if urls:
             yield Status(f"connecting to llama-server at {urls[0]} and {urls[1]}")
             self._connect(*urls)
@@ -380,12 +396,13 @@ class LlamaCpp:
                 check_vocab(model, draft)
         flags = {"baseline": ["--spec-type", "none"], "speculative": spec_flags(s, draft)}
         keys = {role: (str(path), str(model), tuple(args)) for role, args in flags.items()}
-        POOL.stop_where(lambda key: key in keys.values() or key[0] != str(path))
+        POOL.stop_where(lambda key: key in keys.values(), backend=self.name)  # vLLM's: make_room
         def maker(role, args):
             def make():
                 port = free_port()
                 return Server(f"llama-server {role}", server_command(path, model, args, port), port, "/health",
-                              explain=crash_cause)  # fmt: skip
+                              explain=crash_cause, phases=PHASES, backend=self.name, model=model.name,
+                              role=role)  # fmt: skip
 
             return make
 
@@ -400,6 +417,16 @@ class LlamaCpp:
         self.weights = f"{OUTTYPES[s.dtype]}, converted by llama.cpp's converter" if converted else STORED
         self.config = {"remote": False, "spec_flags": flags["speculative"], "binary": str(path)}
         self.serving = (str(model), json.dumps(flags["speculative"]))
+
+    @staticmethod
+    def needs(s: Settings) -> int:
+        """Memory the two servers take at least: the target's GGUF twice (where it is already on disk), the room
+        make_room keeps free on a GPU for a llama-server built with CUDA."""
+        try:
+            model = model_gguf(s.target, s.dtype, convert=False)
+        except UserError:
+            return 0
+        return 2 * model.stat().st_size if model.is_file() else 0
 
     def serves(self, s: Settings) -> bool:
         """Remote servers serve what they serve; managed ones must have been started for these settings."""
@@ -476,6 +503,10 @@ class LlamaCpp:
                                       headers={"Content-Type": "application/json"})  # fmt: skip
 
     def _stream(self, role: str, ids: list[int], s: Settings, stop) -> Iterator[StepEvent]:
+        with POOL.in_use(self.urls[role]):  # not idle while it streams: make_room leaves it be
+            yield from self._steps(role, ids, s, stop)
+
+    def _steps(self, role: str, ids: list[int], s: Settings, stop) -> Iterator[StepEvent]:
         """One streamed completion as StepEvents, a step per verify pass (see the module's docstring). A step
         is yielded as soon as its last token arrives. Clocks are the server's own (prompt_ms + predicted_ms
         in each chunk), so time a consumer spends between events never counts; the client's clock stands in

