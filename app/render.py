@@ -10,8 +10,10 @@ are the candidates the target turned down at one position, each tested.
 
 from __future__ import annotations
 
+import time
 from html import escape
 
+from engine.backends.servers import NAMES
 from engine.decoding.metrics import Metrics, StepEvent
 from engine.errors import UserError
 
@@ -204,6 +206,23 @@ def environment_line(env: dict | None) -> str:
     return f'<div class="sa-env">measured on {escape(" · ".join(p for p in parts if p))}</div>'
 
 
+def servers_line(env: dict | None) -> str:
+    """Which engine servers SpecArena runs beside this one (env["servers_up"], engine.backends.servers.Pool.up):
+    they share the machine with the runs, and a CPU machine has room for few."""
+    up = (env or {}).get("servers_up") or []
+    if not up:
+        return ""
+    groups: dict[tuple, list[dict]] = {}
+    for server in up:
+        groups.setdefault((server["backend"], server["model"]), []).append(server)
+    parts = []
+    for (backend, model), servers in groups.items():
+        roles = " and ".join(f"{s['role'] or 'server'} :{s['port']}" for s in servers)
+        since = time.strftime("%H:%M", time.localtime(min(s["since"] for s in servers)))
+        parts.append(f"{NAMES.get(backend, backend)} {roles} ({model}, up since {since})")
+    return f'<div class="sa-env sa-servers">servers up: {escape(" · ".join(parts))}</div>'
+
+
 def summary(
     base: Metrics | None, spec: Metrics | None, verdict, speedup: float | None, stopped: bool = False,
     suspect: list[str] | None = None, environment: dict | None = None, explanation: str = "",
@@ -243,7 +262,7 @@ def summary(
     why = f'<div class="sa-why" role="note">{escape(explanation)}</div>' if explanation else ""
     return (
         f'<div class="sa-summary">{verdict_badge(verdict)}{doubt}<div class="sa-cards">{cards_html}</div>'
-        f"{why}{environment_line(environment)}</div>"
+        f"{why}{environment_line(environment)}{servers_line(environment)}</div>"
     )
 
 

@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import Iterator
 
 from engine.backends import backend_for
+from engine.backends.servers import servers_up
 from engine.backends.transformers import guarded, widest_pass
 from engine.decoding.metrics import RunResult, StepEvent, summarise
 from engine.decoding.runtime import BUCKETS, capacity
@@ -174,7 +175,8 @@ def stream_compare(s: Settings, prompt: str, stop: threading.Event | None = None
             for event in run("speculative", backend.speculative(ids, s, baseline.token_ids, stop), backend.decode):
                 speculative = event.result if isinstance(event, RunDone) else speculative
                 yield event
-        environment = backend.environment | {"warm_up": getattr(backend, "warm_up", "off")}
+        # the managed engine servers up beside the runs (they share this machine with them)
+        environment = backend.environment | {"warm_up": getattr(backend, "warm_up", "off"), "servers_up": servers_up()}
         c = Comparison(s, prompt, baseline, speculative, environment, started, time.time(),
                        backend.loaded, load.share())  # fmt: skip
         c.suspect = suspicions(c)

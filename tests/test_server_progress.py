@@ -206,9 +206,10 @@ def test_the_summary_says_which_servers_are_up_beside_the_run():
     from app import render
 
     since = time.mktime((2026, 5, 12, 14, 2, 31, 0, 0, -1))
-    env = {"servers_up": [{"backend": "vllm", "model": "bundled", "role": "baseline", "port": 41233, "since": since},
-                          {"backend": "vllm", "model": "bundled", "role": "speculative", "port": 41235, "since": since},
-                          {"backend": "llama.cpp", "model": "m<1>.gguf", "role": "baseline", "port": 5, "since": since}]}
+    vllm_up = {"backend": "vllm", "model": "bundled", "since": since}
+    llama_up = {"backend": "llama.cpp", "model": "m<1>.gguf", "role": "baseline", "port": 5, "since": since}
+    env = {"servers_up": [vllm_up | {"role": "baseline", "port": 41233},
+                          vllm_up | {"role": "speculative", "port": 41235}, llama_up]}  # fmt: skip
     line = render.servers_line(env)
     assert line == ('<div class="sa-env sa-servers">servers up: vLLM baseline :41233 and speculative :41235 (bundled, '
                     "up since 14:02) · llama.cpp baseline :5 (m&lt;1&gt;.gguf, up since 14:02)</div>")
