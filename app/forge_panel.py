@@ -29,10 +29,10 @@ from engine.measure import promptsets
 
 HELP = """Train an **EAGLE-3 head** for the target on this machine, from the target's own answers to the prompts
 below (the prompt set above when one is loaded, else the chosen task categories; its held-out share, 0.2 when
-none is set, is never trained on and measures the head at the end). The time budget covers loading, data and
-training; the final measurement comes on top. **Stop** ends the forge and still writes the best checkpoint. Heads
-are written under the SpecArena cache; naming an existing forge folder resumes it. The same as `python -m engine
-forge`."""
+none is set, is never trained on and measures the head at the end). The time budget covers the whole forge:
+loading, data, training, export and the final measurement (planned once the target is loaded; the status line then
+says how the minutes are shared). **Stop** ends the forge and still writes the best checkpoint. Heads are written
+under the SpecArena cache; naming an existing forge folder resumes it. The same as `python -m engine forge`."""
 
 FIELDS = {"forge_target": "target", "forge_minutes": "minutes", "forge_out": "output folder",
           "forge_pays": "measure whether it pays", "forge_data": "data passes in", "forge_general": "general prompts",
@@ -373,12 +373,27 @@ def stop(request: gr.Request) -> str:
 
 
 def use_head(head: dict):
-    """The Playground's target, drafter, draft, γ and tree width for the forged head."""
+    """The Playground's target, drafter, draft, γ and tree width for the forged head, and a line on the Playground
+    saying what was filled (the page then goes to the Playground: TO_PLAYGROUND)."""
     if not head or not head.get("folder"):
-        return gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip()
-    gamma = head.get("gamma")
-    return (head.get("target") or gr.skip(), "eagle3", head["folder"],
-            gamma if gamma else gr.skip(), head.get("topk") or 1)  # fmt: skip
+        return (*(gr.skip(),) * 5, render.status_line("no head yet: forge one first", error=True))
+    gamma, topk = head.get("gamma"), head.get("topk") or 1
+    return (head.get("target") or gr.skip(), "eagle3", head["folder"], gamma if gamma else gr.skip(), topk,
+            render.status_line(filled_note(head)))  # fmt: skip
+
+
+def filled_note(head: dict) -> str:
+    """What "use this head" filled in, in one line on the Playground."""
+    gamma = f", γ {head['gamma']}" if head.get("gamma") else ""
+    tree = f", tree width {head.get('topk') or 1}"
+    target = f"target {head['target']}, " if head.get("target") else ""
+    return (f"filled from the forged head: {target}drafter EAGLE-3 head, draft {head['folder']}{gamma}{tree}; press "
+            "Run to try it.")  # fmt: skip
+
+
+# the Playground's tab, selected in the browser after "use this head" filled its fields (no round trip)
+TO_PLAYGROUND = """() => { const tab = [...document.querySelectorAll('button[role="tab"]')]
+    .find(b => b.textContent.trim() === 'Playground'); if (tab) tab.click(); }"""
 
 
 def describe_prompts(categories, file, dataset) -> str:
@@ -405,7 +420,8 @@ def wire(f: SimpleNamespace, lab: SimpleNamespace, play: SimpleNamespace) -> Non
                 show_progress="hidden")  # fmt: skip
     f.stop.click(stop, outputs=[f.status], queue=False, api_visibility="private")
     fills = [play.form[n] for n in ("target", "drafter", "draft", "gamma", "topk")]
-    f.use.click(use_head, inputs=[f.head], outputs=fills, queue=False, api_visibility="private")  # fmt: skip
+    f.use.click(use_head, inputs=[f.head], outputs=[*fills, play.status], queue=False,
+                api_visibility="private").then(None, js=TO_PLAYGROUND, queue=False)  # fmt: skip
     # the target follows the Playground's until the user types another
     target = play.form["target"]
     f.target.value = target.value

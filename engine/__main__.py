@@ -129,7 +129,7 @@ def parser() -> argparse.ArgumentParser:
     forge.add_argument("--prompts", help="a prompts file (JSON lines, JSON, CSV, text) or a Hub dataset")
     forge.add_argument("--suite", help="task categories (comma-separated; default: all)")
     forge.add_argument("--minutes", type=float, default=15.0, help="the whole budget: loading, data, training, "
-                       "export (the final measurement comes on top)")
+                       "export and the final measurement (planned after loading; the plan is printed first)")
     forge.add_argument("--gamma-max", type=int, default=0, help="train-time-test steps: the longest draft trained "
                        "and measured (0: 2 on a CPU, 4 on a GPU)")
     forge.add_argument("--out", required=True, help="the head's folder (an existing forge folder resumes)")
@@ -148,7 +148,8 @@ def parser() -> argparse.ArgumentParser:
     forge.add_argument("--threads", default="auto", help="torch threads (auto: timed)")
     forge.add_argument("--init", choices=["target", "random"], default="random",
                        help="the head's layer starts random (default) or as the target's last layer")
-    forge.add_argument("--data-share", type=float, default=0.5, help="of the budget after loading, for data")
+    forge.add_argument("--data-share", type=float, default=0.5, help="of the budget left after loading, export and "
+                       "the final measurement, for data (training gets the rest)")
     forge.add_argument("--no-general", action="store_true", help="answer only the given prompts (and follow-ups "
                        "and new prompts the target writes), no general prompts beside them")
     forge.add_argument("--bank", choices=BANKS, default="workload", help="the general prompts' kinds: in "

@@ -122,7 +122,9 @@ def test_a_forged_head_loads_and_runs_lossless(forged):
     from engine.measure import promptsets  # measured by a process of its own, on prompts it wrote down
 
     written = promptsets.read_file(Path(cfg.out) / "held-out.jsonl")
-    assert [i.id for i in written.items] == summary["prompts"]["held_out_ids"] == summary["pays"]["prompts"]
+    assert [i.id for i in written.items] == summary["prompts"]["held_out_ids"]
+    measured = summary["plan"]["prompts"]  # the first ones: as many as the plan left the measurement time for
+    assert measured >= 1 and summary["pays"]["prompts"] == summary["prompts"]["held_out_ids"][:measured]
     card = (Path(cfg.out) / "README.md").read_text()
     assert "Validation acceptance" in card and summary["machine"] in card
     # one draft length proposed everywhere: the fastest chain's in the config and the card's engine lines (vLLM and
@@ -223,18 +225,19 @@ def test_the_trained_draft_length_defaults_to_the_machines(model_dirs, tmp_path)
     """--gamma-max 0 (the default): 2 train-time-test steps on a CPU (its budget buys more updates than positions its
     verify costs never use), 4 on a GPU; out of range refused before anything loads."""
     from engine.errors import UserError
-    from engine.forge.pipeline import Forge, ForgeConfig
+    from engine.forge.pipeline import Forge, ForgeConfig, prompt_sets
 
     cfg = ForgeConfig(target=str(_target(model_dirs)), out=str(tmp_path / "head"), suite=str(_prompts(tmp_path)),
                       threads="1", fast="off")  # fmt: skip
     assert cfg.steps == 0
     threads = torch.get_num_threads()
     forge = Forge(cfg)
+    forge.train_set, forge.val_set, forge.held_set = prompt_sets(cfg)  # as run() sets them, before loading
     try:
         said = [e.message for e in forge.load()]
     finally:
         torch.set_num_threads(threads)
-    assert forge.cfg.steps == 2 and "train-time test over 2 steps" in said[-1]
+    assert forge.cfg.steps == 2 and "train-time test over 2 steps" in said[-2] and said[-1].startswith("plan after")
     for wrong in (-1, 9):
         with pytest.raises(UserError, match="gamma max"):
             next(Forge(ForgeConfig(**{**cfg.__dict__, "steps": wrong})).run())
@@ -815,3 +818,95 @@ def test_head_misses_counts_the_first_draft_hits_the_forge_measured_on_its_valid
     write_head(random_head(target, "dflash", layers=1, block_size=4), dflash, "speculators-dflash")
     with pytest.raises(UserError, match="is a dflash head"):
         report(str(dflash), target=cfg.target, suite=cfg.suite, tokens=4)
+
+
+def test_the_budget_covers_the_whole_job_the_measurement_included():
+    """`forge --minutes 15` forged in 887 s and then measured for 3 minutes more. The plan cuts the budget into the
+    phases' seconds, the measurement's among them, and they add up to the budget; the measurement takes as many
+    held-out prompts as its share allows (all where the budget is large), and a budget its floors outgrow says by
+    how much."""
+    from engine.forge.pipeline import PAYS_SHARE, ForgeConfig, measurement_s, plan_budget
+
+    cfg = ForgeConfig(target="t", out="o", minutes=15, steps=2, pays_max_new_tokens=64)
+    turns = [1] * 16
+    plan = plan_budget(cfg, load_s=30.0, pass_s=0.03, turns=turns)
+    assert sum(plan.seconds().values()) == pytest.approx(15 * 60) and plan.over <= 0
+    assert 1 <= plan.prompts < 16 and plan.pays <= PAYS_SHARE * 15 * 60
+    assert plan.pays == pytest.approx(measurement_s(cfg, turns[: plan.prompts], 0.03, 30.0))
+    assert plan.train > 0 and plan.data == pytest.approx(cfg.data_share * (plan.data + plan.train))
+    assert f"the measurement takes {plan.prompts} of 16 held-out prompts" in plan.describe()
+    roomy = plan_budget(type(cfg)(**{**cfg.__dict__, "minutes": 60}), 30.0, 0.03, turns)
+    assert roomy.prompts == 16 and sum(roomy.seconds().values()) == pytest.approx(3600)
+    off = plan_budget(type(cfg)(**{**cfg.__dict__, "pays": False}), 30.0, 0.03, turns)
+    assert off.pays == 0 and off.prompts == 0 and sum(off.seconds().values()) == pytest.approx(900)
+    tiny = plan_budget(type(cfg)(**{**cfg.__dict__, "minutes": 0.25}), 5.0, 0.03, turns)
+    assert tiny.prompts == 1 and tiny.over > 0 and "over the budget" in tiny.describe()
+    assert sum(tiny.seconds().values()) == pytest.approx(15 + tiny.over)
+
+
+def test_the_forge_tells_one_story(forged):
+    """The plan comes first, the measurement's progress counts up to one total ("4/4" then "1/2" was its two sweeps'
+    own counts), each training step is reported once with its train loss, and "forged in" covers the measurement."""
+    cfg, events, summary = forged
+    said = [e.message for e in events if e.phase == "load"]
+    assert said[-1].startswith("plan after loading") and "held-out prompts" in said[-1]
+    counts = [e.message.split(" ")[0] for e in events if e.phase == "pays" and e.message.split(" ")[0].count("/") == 1]
+    done = [int(c.split("/")[0]) for c in counts]
+    assert counts and len({c.split("/")[1] for c in counts}) == 1 and done == sorted(done)
+    assert done[-1] == int(counts[-1].split("/")[1])
+    fractions = [e.done for e in events if e.phase == "pays"]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0
+    steps = [r["step"] for r in summary["training"]["history"]]
+    assert len(steps) == len(set(steps)) and all(r["train_loss"] is not None for r in summary["training"]["history"])
+    shown = [e.metrics["step"] for e in events if e.phase == "train" and "val_acceptance" in e.metrics]
+    assert shown == steps
+    assert summary["timing"]["pays"] > 0 and summary["wall_s"] >= sum(summary["timing"].values()) - 1
+    assert events[-1].message == f"forged {cfg.out} in {summary['wall_s']:.0f} s"
+
+
+def test_the_last_training_step_is_reported_once(forged, tmp_path, monkeypatch):
+    """An evaluation that falls just before the deadline is the final one: no second record of the same step (it
+    came without a train loss, nothing having trained since). A clock that ticks a second at each reading puts
+    the evaluation at the 10th second of 13."""
+    from engine.forge import loop
+    from engine.forge.data import Dataset
+    from engine.models.loading import MODELS
+
+    cfg, _, _ = forged
+    target = MODELS.get(cfg.target, "float32", "cpu", pack=False).model
+    ids = torch.load(Path(cfg.out) / "checkpoint" / "vocab.pt")
+    data = Dataset.read(Path(cfg.out) / "data")
+    data.train, data.val = data.train[:8], data.val[:4]
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(loop, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: float(next(ticks)))}))
+    trainer = loop.Trainer(target, ids, data, cfg, tmp_path / "checkpoint", torch.float32)
+    records = list(trainer.run(13.0))
+    steps = [r["step"] for r in records]
+    assert steps == [r["step"] for r in trainer.history] and len(steps) == len(set(steps)) == 1
+    assert all(r["train_loss"] is not None for r in records) and trainer.report()["best_step"] == steps[0]
+
+
+def test_no_gamma_is_proposed_past_a_position_never_accepted():
+    """A config once proposed gamma 2 where position 2 accepted nothing: timing noise made gamma 2 read faster. The
+    validation answers' forecast and the measured table both stop at the last position ever accepted."""
+    from engine.forge.export import reached, recommend
+    from engine.forge.pays import summarise
+
+    assert reached([0.5, 0.0, 0.3]) == 1 and reached([0.5, 0.4]) == 2 and reached([0.0]) == 1
+    verify = [0.0, 1.0, 1.0, 1.0]  # a two-row pass costs what a one-row pass does
+    assert recommend([0.5, 0.0], 0.0, verify, per_pass=[1.5, 1.6])["gamma"] == 1
+    assert recommend([0.5, 0.4], 0.0, verify, per_pass=[1.5, 1.6])["gamma"] == 2
+
+    def cell(gamma, speedup, positions):
+        one = {"median": speedup}
+        return {"drafter": "eagle3", "gamma": gamma, "topk": 1, "speedup": one, "acceptance_rate": one,
+                "all_identical": True, "lossless": "identical", "by_category": {}, "positions": positions}
+
+    head = {"cells": [cell(1, 1.02, [[40, 20]]), cell(2, 1.05, [[40, 20], [20, 0]])], "fits": [],
+            "samples": [{"cell": i, "mean_accepted_length": 1.5} for i in (0, 1)], "prompt_set": {"ids": ["a"]}}
+    others = {"cells": [], "fits": [], "samples": []}
+    table = summarise(head, others, predicted_gamma=1)
+    assert table["chain"]["gamma"] == table["recommended"]["gamma"] == 1
+    head["cells"][1]["positions"] = [[40, 20], [20, 6]]
+    assert summarise(head, others, predicted_gamma=1)["chain"]["gamma"] == 2
+    assert summarise(head, others, 1, acceptance=[0.5, 0.0])["chain"]["gamma"] == 1  # the validation answers' too

@@ -197,4 +197,26 @@ def test_the_panel_is_in_the_lab_and_holds_the_device_like_a_run():
     assert forge.concurrency_id == sweep.concurrency_id == "device" and forge.concurrency_limit == 1
     use = next(fn for fn in demo.fns.values() if fn.name == "use_head")
     assert [c.elem_id for c in use.outputs] == ["field-target", "field-drafter", "field-draft", "field-gamma",
-                                                "field-topk"]  # fmt: skip
+                                                "field-topk", "status"]  # fmt: skip
+    after = [fn for fn in demo.fns.values() if fn.js == forge_panel_js()]
+    assert len(after) == 1 and after[0].fn is None  # then the Playground's tab, in the browser
+
+
+def forge_panel_js() -> str:
+    from app.forge_panel import TO_PLAYGROUND
+
+    return TO_PLAYGROUND
+
+
+def test_use_this_head_fills_the_playground_and_says_what_it_filled():
+    """The sidebar's fields as the forge measured the head fastest, and one line on the Playground naming each."""
+    from app import forge_panel
+    from tests.test_app import plain
+
+    head = {"target": "org/t", "folder": "/cache/heads/t-1", "gamma": 2, "topk": 3, "config_gamma": 1}
+    *fills, status = forge_panel.use_head(head)
+    assert fills == ["org/t", "eagle3", "/cache/heads/t-1", 2, 3]
+    assert plain(status) == ("filled from the forged head: target org/t, drafter EAGLE-3 head, draft "
+                             "/cache/heads/t-1, γ 2, tree width 3; press Run to try it.")  # fmt: skip
+    *_, nothing = forge_panel.use_head({})
+    assert "forge one first" in plain(nothing)

@@ -67,8 +67,17 @@ def recommend(acceptance: list[float], c: float, verify: list[float], per_pass: 
         alpha = acceptance[-1] if acceptance else 0.0
         curve = [{"gamma": g, "predicted": predict(acceptance, alpha, c, points, g)}
                  for g in range(1, max(len(acceptance), 1) + 1)]  # fmt: skip
-    best = max(curve, key=lambda p: p["predicted"])
+    useful = [p for p in curve if p["gamma"] <= reached(acceptance)]
+    best = max(useful or curve[:1], key=lambda p: p["predicted"])
     return {"gamma": best["gamma"], "predicted_speedup": best["predicted"], "curve": curve, "c": c}
+
+
+def reached(acceptance: list[float]) -> int:
+    """The longest draft whose every position was ever accepted (at least 1): a token at a position whose acceptance
+    is 0 never survives, so drafting it costs a head step and a wider verify pass for nothing, whatever noise says
+    about the longer draft's speed. Without figures, no cap."""
+    useful = next((k for k, a in enumerate(acceptance) if not a), len(acceptance))
+    return max(1, useful) if acceptance else 1 << 30
 
 
 def held_out(head: Head, loaded, acceptance: list[float], per_pass: list[float] | None = None) -> dict:

@@ -180,6 +180,12 @@ class Trainer:
                 window = []
                 next_eval = time.perf_counter() + eval_every
         self.seconds_done += time.perf_counter() - start
+        if not window and self.history and self.history[-1]["step"] == self.step:
+            # the last evaluation came after the last update: it is the final one, already reported (a second
+            # record of the same step would show it twice, the second without a train loss)
+            self.history[-1]["seconds"] = round(self.seconds_done, 1)
+            self.save()
+            return
         yield self._checkpoint(start, seconds, window, final=True)
 
     def _checkpoint(self, start: float, seconds: float, window: list, final: bool = False) -> dict:

@@ -45,7 +45,9 @@ def measure(cfg, summary: dict, progress=lambda done, total, what: None,
            "max_new_tokens": cfg.pays_max_new_tokens, "seed": cfg.seed, "steps": cfg.steps,
            "repeats": cfg.pays_repeats, "prompts": str(prompts),
            "threads": None if cfg.threads == "auto" else int(cfg.threads),
-           "recommended": summary.get("held_out", {}).get("recommended", {}).get("gamma")}  # fmt: skip
+           "recommended": summary.get("held_out", {}).get("recommended", {}).get("gamma"),
+           "acceptance": summary.get("training", {}).get("val_acceptance"),
+           "prompts_measured": (summary.get("plan") or {}).get("prompts")}  # fmt: skip
     root = str(Path(__file__).resolve().parents[2])  # where `engine` is, wherever the caller runs from
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     stop = stop or threading.Event()
@@ -107,15 +109,40 @@ def run(job: dict, progress=lambda done, total, what: None) -> dict:
                     device=job["device"], max_new_tokens=job["max_new_tokens"], temperature=0.0,
                     seed=job["seed"])  # fmt: skip
 
+    if job.get("prompts_measured"):  # the share of the held-out prompts the budget's plan left time for
+        held_out = held_out.narrowed(held_out.items[: job["prompts_measured"]])
+    gammas = list(range(1, job["steps"] + 1))
+    head_cells, other_cells = len(gammas) * 2, 2  # chain and tree per gamma; prompt lookup and suffix at 4
+    stages = Stages([head_cells * held_out.turns(), other_cells * held_out.turns()], progress)
+
     def measured():
-        head = sweep(base, held_out, list(range(1, job["steps"] + 1)), [0.0], ["eagle3"], job["repeats"], progress,
+        head = sweep(base, held_out, gammas, [0.0], ["eagle3"], job["repeats"], stages.stage(0),
                      topks=[1, TREE_TOPK])  # fmt: skip
         others = sweep(replace(base, drafter="prompt-lookup", draft=""), held_out, [4], [0.0],
-                       ["prompt-lookup", "suffix"], job["repeats"], progress)  # fmt: skip
+                       ["prompt-lookup", "suffix"], job["repeats"], stages.stage(1))  # fmt: skip
         return head, others
 
     head, others = ENGINE.call(measured)
-    return summarise(head, others, job.get("recommended"))
+    return summarise(head, others, job.get("recommended"), job.get("acceptance"))
+
+
+class Stages:
+    """One progress count over the measurement's sweeps (`sizes`: each one's prompt-turns times cells): the head's
+    sweep, then the other drafters'. Each sweep counts from 0 to its own total; reported as is, the line read "4/4"
+    at the end of the first and "1/2" in the second, the count going back. A sweep that drops a prompt too long for
+    the context counts to a smaller total: its share of the whole stays the same."""
+
+    def __init__(self, sizes: list[int], progress):
+        self.sizes, self.progress = sizes, progress
+        self.total = sum(sizes)
+
+    def stage(self, k: int):
+        before, share = sum(self.sizes[:k]), self.sizes[k]
+
+        def report(done: int, total: int, what: str) -> None:
+            self.progress(before + round(share * done / max(total, 1)), self.total, what)
+
+        return report
 
 
 def _mean(samples: list[dict], cell: int, key: str) -> float | None:
@@ -132,12 +159,29 @@ LOSSLESS = {
 }
 
 
-def summarise(head: dict, others: dict, predicted_gamma: int | None) -> dict:
+def measured_acceptance(head: dict) -> list[float]:
+    """The head's acceptance per draft position over its chain cells (kept / reached, engine.measure.bench.positions):
+    what the engine saw it keep at each position on the held-out prompts."""
+    pooled: list[list[int]] = []
+    for cell in head["cells"]:
+        if cell["drafter"] != "eagle3" or cell.get("topk", 1) != 1:
+            continue
+        for i, (seen, kept) in enumerate(cell.get("positions") or []):
+            pooled += [[0, 0]] * (i + 1 - len(pooled))
+            pooled[i] = [pooled[i][0] + seen, pooled[i][1] + kept]
+    return [kept / seen if seen else 0.0 for seen, kept in pooled]
+
+
+def summarise(head: dict, others: dict, predicted_gamma: int | None,
+              acceptance: list[float] | None = None) -> dict:  # fmt: skip
     """The table: per drafter and gamma the median speedup over the prompts and the mean accepted length per verify
     pass (a median of a few 64-token answers read 63/46 at gamma 2, 3 and 4 alike). "recommended" is the head's row
     measured fastest: the draft length the head's config, card and "use this head" then propose. The gamma the
     validation answers predicted best (`predicted_gamma`) is a forecast from teacher-forced acceptance, which reads
-    high against a served head (bundled model: 2 predicted, 1 measured best, 1.03x against 0.97x)."""
+    high against a served head (bundled model: 2 predicted, 1 measured best, 1.03x against 0.97x). No gamma past a
+    position the head never got accepted, measured or on the validation answers (`acceptance`), is proposed: a timing
+    noise there once put gamma 2 in a config whose position 2 accepted nothing."""
+    from engine.forge.export import reached
     from engine.measure.bench import worst
 
     fits = {(f["drafter"], f.get("topk", 1)): f for f in head["fits"] + others["fits"]}
@@ -157,8 +201,10 @@ def summarise(head: dict, others: dict, predicted_gamma: int | None) -> dict:
     rows.append({"drafter": "target alone", "gamma": 0, "speedup": 1.0, "predicted": 1.0, "mean_accepted_length": 1.0,
                  "acceptance_rate": None, "identical": True, "lossless": "identical", "by_category": {}})  # fmt: skip
     mine = [r for r in rows if r["drafter"] == "eagle3"]
-    best = max(mine, key=lambda r: r["speedup"] or 0)
-    chain = max((r for r in mine if r["topk"] == 1), key=lambda r: r["speedup"] or 0)
+    longest = min(reached(measured_acceptance(head)), reached(acceptance or []))
+    proposable = [r for r in mine if r["gamma"] <= longest] or mine  # no draft past a position never accepted
+    best = max(proposable, key=lambda r: r["speedup"] or 0)
+    chain = max((r for r in proposable if r["topk"] == 1), key=lambda r: r["speedup"] or 0)
     rivals = [r for r in rows if r["drafter"] in ("prompt-lookup", "suffix")]
     rival = max(rivals, key=lambda r: r["speedup"] or 0) if rivals else None
     tree = f" as a tree of its top {best['topk']} candidates per position" if best["topk"] > 1 else ""

@@ -50,7 +50,7 @@ class ForgeConfig:
     target: str
     out: str
     suite: str | None = None  # task categories (comma-separated; all when empty) or a prompts file / dataset
-    minutes: float = 15.0  # the whole budget: loading, data, training, export (the "does it pay" bench is extra)
+    minutes: float = 15.0  # the whole budget: loading, data, training, export and the "does it pay" bench (Plan)
     held_out: float = 0.2  # share of the prompts kept for the final measurement (by hash of their ids)
     seed: int = 0
     dtype: str = "float32"
@@ -125,6 +125,71 @@ class Budget:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
+
+
+PAYS_SHARE = 0.3  # of the budget, the most the final measurement is planned to take: the rest makes the head
+PROCESS_S = 10.0  # the measurement's own process: Python, torch and transformers imported before it loads the target
+FLOORS = {"data": 10.0, "train": 5.0, "export": 5.0}  # seconds no phase gets less of, whatever the budget
+
+
+@dataclass
+class Plan:
+    """The budget cut into the phases' seconds, made once the target is loaded: what loading took, then the data,
+    training (the vocabulary with it), export and the final measurement. The measurement is planned from the target's
+    one-token pass (it runs A/B pairs of answers on the held-out prompts) and measures as many of those prompts as
+    PAYS_SHARE of the budget allows, one at least. The seconds add up to the budget unless the FLOORS outgrow it (a
+    budget of well under a minute): `over` says by how much."""
+
+    load: float
+    data: float
+    train: float
+    export: float
+    pays: float
+    prompts: int  # held-out prompts the measurement takes (the first ones of held-out.jsonl)
+    held_out: int  # held-out prompts there are
+    over: float = 0.0
+
+    def seconds(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in ("load", "data", "train", "export", "pays")}
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {v:.0f} s" for k, v in self.seconds().items() if k != "load")
+        pays = ""
+        if self.prompts:
+            share = "all" if self.prompts == self.held_out else f"{self.prompts} of"
+            pays = f"; the measurement takes {share} {self.held_out} held-out prompts"
+        over = f"; {self.over:.0f} s over the budget: its floors outgrow it" if self.over > 0 else ""
+        return f"plan after loading ({self.load:.0f} s): {parts}{pays}{over}"
+
+
+def measurement_s(cfg: ForgeConfig, turns: list[int], pass_s: float, load_s: float) -> float:
+    """Seconds the does-it-pay measurement of prompts with these turns is planned at: its process, the target loaded
+    again, then per prompt-turn and cell a warm-up and `pays_repeats` A/B pairs of `pays_max_new_tokens` tokens, each
+    side counted as one one-token pass a token (the speculative side takes fewer: a margin for prefills and the
+    head's steps). Cells: a chain and a tree per trained gamma, prompt lookup and suffix."""
+    from engine.compare import WARM_STEPS
+
+    cells = 2 * cfg.steps + 2
+    per_turn = cells * (2 * WARM_STEPS + cfg.pays_repeats * 2 * cfg.pays_max_new_tokens) * pass_s
+    return PROCESS_S + load_s + per_turn * sum(turns)
+
+
+def plan_budget(cfg: ForgeConfig, load_s: float, pass_s: float, turns: list[int]) -> Plan:
+    """The phases' seconds for a budget of cfg.minutes, `load_s` of it spent loading, a one-token pass of `pass_s`
+    and held-out prompts of `turns` turns each (see Plan)."""
+    budget = cfg.minutes * 60
+    export = max(FLOORS["export"], 0.02 * budget)
+    prompts, pays = 0, 0.0
+    if cfg.pays and turns:
+        fits = [k for k in range(1, len(turns) + 1) if measurement_s(cfg, turns[:k], pass_s, load_s) <= PAYS_SHARE
+                * budget]  # fmt: skip
+        prompts = max(fits, default=1)
+        pays = measurement_s(cfg, turns[:prompts], pass_s, load_s)
+    rest = budget - load_s - export - pays
+    data = max(FLOORS["data"], cfg.data_share * rest)
+    train = max(FLOORS["train"], rest - data)
+    over = load_s + data + train + export + pays - budget
+    return Plan(load_s, data, train, export, pays, prompts, len(turns), over)
 
 
 # --- prompts ------------------------------------------------------------------------------------------------------
@@ -229,10 +294,20 @@ class Forge:
         data = f"; data passes on a {self.data_dtype} copy" if self.data_copy else ""
         yield self.event("load", f"{self.loaded.describe()}; {self.machine.describe()}{data}; train-time test over "
                          f"{self.cfg.steps} steps", 1.0)  # fmt: skip
+        self.plan = self._plan_budget()
+        yield self.event("load", self.plan.describe(), 1.0, plan=asdict(self.plan))
+
+    def _plan_budget(self) -> Plan:
+        """The phases' seconds (Plan), from what loading took and the target's one-token pass, timed now."""
+        from engine.decoding.runtime import time_passes
+
+        with torch.inference_mode():
+            pass_s = time_passes(self.loaded.model, (1,))[1] if self.cfg.pays and self.held_set.items else 0.0
+        turns = [len(i.turns) for i in self.held_set.items]
+        return plan_budget(self.cfg, self.budget.elapsed(), pass_s, turns)
 
     # -- 1. data --
     def make_data(self) -> Iterator[ForgeEvent]:
-        cfg = self.cfg
         folder = self.out / "data"
         self.dataset = D.Dataset.read(folder) if folder.is_dir() else D.Dataset()
         if self.state.get("data_done") and self.dataset.train:
@@ -245,8 +320,7 @@ class Forge:
             from engine.models.loading import resolve_dtype
 
             model = copy.deepcopy(model).to(resolve_dtype(self.data_dtype, self.loaded.device))
-        after_load = self.budget.left()
-        deadline = time.perf_counter() + max(10.0, cfg.data_share * after_load)
+        deadline = time.perf_counter() + self.plan.data
         started = time.perf_counter()
         made_before = self.dataset.answer_tokens() + self.dataset.answer_tokens("val")
         replay = D.Replay(self.dataset)  # a run cut short in this phase (killed, not stopped) goes on where it was
@@ -420,11 +494,13 @@ class Forge:
                          "of validation labels", 1.0, **self.vocab)  # fmt: skip
 
     # -- 3. training --
-    def training(self, reserve_s: float) -> Iterator[ForgeEvent]:
+    def training(self) -> Iterator[ForgeEvent]:
         from engine.forge.loop import Trainer
 
         self.budget.phase("train")
-        seconds = max(5.0, self.budget.left() - reserve_s)
+        # what is left but the export's and the measurement's planned seconds: a data phase that ended early (or a
+        # resumed run's, read back) leaves training the difference
+        seconds = max(FLOORS["train"], self.budget.left() - self.plan.export - self.plan.pays)
         trainer = Trainer(self.loaded.model, self.ids, self.dataset, self.cfg, self.out / "checkpoint",
                           self.machine.train_dtype, self.stop)  # fmt: skip
         for update in trainer.run(seconds):
@@ -466,7 +542,7 @@ class Forge:
                      "sources": _sources(self.dataset.train), "bytes": self.dataset.bytes(),
                      "dtype": self.data_dtype, "stopped": self.data_note or None,
                      "general_kinds": self.bank_shares},
-            "vocabulary": self.vocab, "training": self.trainer.report(),
+            "vocabulary": self.vocab, "training": self.trainer.report(), "plan": asdict(self.plan),
         }  # fmt: skip
 
     # -- 5. does it pay --
@@ -475,8 +551,11 @@ class Forge:
 
         if not self.cfg.pays or not self.held_set.items or self.stop.is_set():
             return
-        yield self.event("pays", f"measuring on {len(self.held_set)} held-out prompts: the head against prompt lookup, "
-                         "suffix and the target alone")  # fmt: skip
+        self.budget.phase("pays")
+        plan = self.plan
+        share = "" if plan.prompts == plan.held_out else f"{plan.prompts} of "
+        yield self.event("pays", f"measuring on {share}{plan.held_out} held-out prompts: the head against prompt "
+                         f"lookup, suffix and the target alone, planned at {plan.pays:.0f} s")  # fmt: skip
         self._release()  # the measurement loads the target in a process of its own
         started = time.perf_counter()
 
@@ -491,11 +570,20 @@ class Forge:
             return
         result["wall_s"] = round(time.perf_counter() - started, 1)
         self.summary["pays"] = result
-        from engine.forge.export import set_gamma, write_card
+        from engine.forge.export import set_gamma
 
         set_gamma(self.out, result["chain"]["gamma"])  # measured beats predicted; other engines verify chains
-        write_card(self.out, self.summary)
         yield self.event("pays", result["verdict"], 1.0, **{"pays": result})
+
+    def _timing(self) -> None:
+        """The whole job's seconds, the measurement's included, in the summary and the card: "forged in" is the
+        time the budget covered."""
+        from engine.forge.export import write_card
+
+        self.budget.phase("")  # the last phase's seconds counted
+        self.summary["timing"] = {k: round(v, 1) for k, v in self.budget.spent.items() if k}
+        self.summary["wall_s"] = round(self.budget.elapsed(), 1)
+        write_card(self.out, self.summary)
 
     def _release(self) -> None:
         """Free the forge's own copy of the target and its data (a GPU would hold two targets otherwise)."""
@@ -523,9 +611,10 @@ class Forge:
                              "minutes.", 1.0)  # fmt: skip
             return
         yield from self.vocabulary()
-        yield from self.training(reserve_s=max(5.0, 0.02 * self.cfg.minutes * 60))
+        yield from self.training()
         yield from self.export()
         yield from self.pays()
+        self._timing()
         (self.out / "forge-report.json").write_text(json.dumps(self.summary, indent=1, default=str))
         yield self.event("done", f"forged {self.out} in {self.summary['wall_s']:.0f} s", 1.0, result=self.summary)
 
