@@ -18,7 +18,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from app import charts, render
+from app import charts, heads, render
 from app.jobs import api_error
 from app.memory import SAMPLER
 from engine import policy, presets
@@ -28,7 +28,7 @@ from engine.decoding.suffix import memory_for
 from engine.errors import UserError, blame
 from engine.events import Comparison, Done, Event, RunDone, RunStarts, Status, Step
 from engine.models.loading import MODELS
-from engine.settings import LABELS, TAKES_DRAFT, Settings, check_prompt
+from engine.settings import HEAD_NAMES, LABELS, TAKES_DRAFT, Settings, check_prompt
 
 log = logging.getLogger("specarena")
 # Each refresh costs the server (rendering, diffing, streaming) and the browser CPU that, on a CPU machine,
@@ -259,9 +259,11 @@ def refused(exc: UserError) -> tuple:
     return render.status_line(text, error=True), render.field_error(exc), *reveal(exc.field)
 
 
-def compare(prompt, history, request: gr.Request, **form):
+def compare(prompt, history, shown=None, request: gr.Request = None, **form):
     """Run baseline then speculative and stream both. Yields (result, status, panes, summary, chart, history,
-    history table, downloads, field error, run-again button, sidebar, groups)."""
+    history table, downloads, field error, run-again button, sidebar, groups, shown). `shown`: what the panes, the
+    summary and the chart showed when the last run ended (a session's state), put back where a value is refused
+    once the pair has begun to open, so that a refused press never wipes a result."""
     history = list(history or [])
     skip = (gr.skip(),) * 7
     keep = (gr.skip(),) * (2 + len(GROUPS))  # run-again button, sidebar, groups: as they are
@@ -270,45 +272,49 @@ def compare(prompt, history, request: gr.Request, **form):
     try:
         if stop.is_set():  # Stop was pressed while this run waited for the device
             yield (gr.skip(), render.status_line("not started: stopped while it waited for the device"), *skip, "",
-                   *keep)  # fmt: skip
+                   *keep, gr.skip())  # fmt: skip
             return
         try:
             check_prompt(prompt)
             s = settings_from(**form)
         except UserError as exc:  # nothing ran: mark the field (the message sits under it), count no run
             status, error, *opened = refused(exc)
-            yield (gr.skip(), status, *skip, error, gr.skip(), *opened)
+            yield (gr.skip(), status, *skip, error, gr.skip(), *opened, gr.skip())
             raise api_error(exc) from None
         RUNNING[session] = {"prompt": prompt, **form}
-        yield from _stream(s, prompt, history, session, stop)
+        yield from _stream(s, prompt, history, session, stop, shown)
     finally:
         RUNNING.pop(session, None)
         STOPS.finish(session, stop)
 
 
-def _stream(s: Settings, prompt: str, history: list, session: str, stop: threading.Event):
+def _stream(s: Settings, prompt: str, history: list, session: str, stop: threading.Event, shown=None):
     skip = (gr.skip(),) * 7
     keep = (gr.skip(),) * (2 + len(GROUPS))
     live, last_text, last_chart = Live(number=len(history) + 1), 0.0, 0.0
     live.status = "starting"
-    yield (gr.skip(), *live.outputs(chart=False), *skip[:3], "", gr.update(visible=False), *keep[1:])
+    yield (gr.skip(), *live.outputs(chart=False), *skip[:3], "", gr.update(visible=False), *keep[1:], gr.skip())
     try:
         for event in stream_compare(s, prompt, stop, memory=memory_for(session)):
             live.add(event)
             now = time.monotonic()
             streaming = isinstance(event, Step)
             if not streaming or now - last_text >= RENDER_EVERY:
-                chart = now - last_chart >= CHART_EVERY if streaming else not isinstance(event, (RunStarts, RunDone))
+                # the chart is left as it is until a timed run begins: loading and warming up have nothing to chart,
+                # and a value refused while the pair opens leaves the last run's chart in place
+                chart = live.begun and (now - last_chart >= CHART_EVERY if streaming else
+                                        not isinstance(event, (RunStarts, RunDone)))  # fmt: skip
                 last_text, last_chart = now, now if chart else last_chart
-                yield (gr.skip(), *live.outputs(chart), *skip[:4], *keep)
+                yield (gr.skip(), *live.outputs(chart), *skip[:4], *keep, gr.skip())
             if isinstance(event, RunStarts):
                 time.sleep(SETTLE)  # the run's clocks start when the next event is asked for
     except Exception as exc:  # noqa: BLE001 - the app must keep serving
         if isinstance(exc, UserError) and exc.field and not live.begun:
-            # a value the pair refused while opening (an unknown Hub id, a prompt past the context): as a
-            # refused field, not a run
+            # a value the pair refused while opening (an unknown Hub id, a head that is missing, a prompt past the
+            # context): as a refused field, not a run; the panes, summary and chart go back to the last run's
             status, error, *opened = refused(exc)
-            yield (gr.skip(), status, *Live().outputs()[1:], *skip[:3], error, gr.skip(), *opened)
+            yield (gr.skip(), status, *(shown or Live().outputs()[1:]), *skip[:3], error, gr.skip(), *opened,
+                   gr.skip())  # fmt: skip
             raise api_error(exc) from None
         if not isinstance(exc, UserError):
             log.exception("comparison failed")
@@ -317,13 +323,15 @@ def _stream(s: Settings, prompt: str, history: list, session: str, stop: threadi
             log.warning("run %d failed: %s", live.number, exc)
         live.status, live.error = f"failed: {exc}", exc
         history.append(history_row(s, "failed"))
-        yield (gr.skip(), *live.outputs(), history, history, write_downloads(None, history),
-               render.field_error(exc) if exc.field else "", gr.skip(), *reveal(exc.field))  # fmt: skip
+        status, *now = live.outputs()
+        yield (gr.skip(), status, *now, history, history, write_downloads(None, history),
+               render.field_error(exc) if exc.field else "", gr.skip(), *reveal(exc.field), tuple(now))  # fmt: skip
         raise api_error(exc) from None
     c = live.comparison
     history.append(history_row(s, c.status + (" (suspect)" if c.suspect else ""), c))
-    yield (api_result(c), *live.outputs(), history, history, write_downloads(c, history), "",
-           gr.update(visible=bool(c.suspect)), *keep[1:])  # fmt: skip
+    status, *now = live.outputs()
+    yield (api_result(c), status, *now, history, history, write_downloads(c, history), "",
+           gr.update(visible=bool(c.suspect)), *keep[1:], tuple(now))  # fmt: skip
 
 
 # What each session's running comparison was started with (the prompt and the form, as sent): a field changed
@@ -393,9 +401,31 @@ def forget(request: gr.Request) -> str:
 
 
 def clear():
-    """Empty panes, summary, chart, status and field marks, and hide run-again; the prompt and the history
-    stay."""
-    return ({}, *Live().outputs(), "", gr.update(visible=False))
+    """Empty panes, summary, chart, status and field marks, and hide run-again, and forget what they showed (a
+    refused run then puts back empty panes); the prompt and the history stay."""
+    return ({}, *Live().outputs(), "", gr.update(visible=False), None)
+
+
+def offer_heads(drafter, target) -> tuple:
+    """(the heads list, the line under it) for the drafter and target in the form. A head drafter lists the heads
+    there are for this target: forged ones (newest first), then the presets'; picking one fills the draft field.
+    With none, the line says where one comes from: the Lab's forge (EAGLE-3), or the presets' other targets."""
+    if drafter not in HEAD_NAMES:
+        return gr.update(choices=[], value=None, visible=False), ""
+    found = heads.offered(target, drafter)
+    if found:
+        return gr.update(choices=[(h.label, h.spec) for h in found], value=None, visible=True), ""
+    name, others = HEAD_NAMES[drafter], ", ".join(heads.elsewhere(drafter))
+    where = "forge one for it in the Lab tab's \"Forge a head\" section" if drafter == "eagle3" else \
+        "the Lab's forge trains EAGLE-3 heads only"
+    presets_too = f"; the presets have one for {others}" if others else ""
+    return gr.update(choices=[], value=None, visible=False), render.hint(f"No {name} for this target yet: {where}"
+                                                                          f"{presets_too}.")
+
+
+def head_picked(spec):
+    """The draft field for a head picked from the list (as it is when the list is emptied)."""
+    return spec if spec else gr.skip()
 
 
 PRESET_FIELDS = ("target", "drafter", "draft", "gamma", "dtype", "alpha")

@@ -42,7 +42,7 @@ def target_info() -> str:
     return f"Hub id (org/name[@rev]){where}, {BUNDLED} or random:<shape>; llama.cpp: org/repo/file.gguf"
 
 
-INTRO = """<div id="intro"><b>SpecArena</b> · speculative decoding, side by side: a draft proposes γ tokens, the
+INTRO = """<div id="intro"><h1>SpecArena</h1> · speculative decoding, side by side: a draft proposes γ tokens, the
 target checks them all in one pass. <i>Lossless</i>: greedy panes must match token for token; only the time
 changes. Both runs take turns on one device after a warm-up. The settings are in the sidebar.</div>"""
 
@@ -76,6 +76,10 @@ def build_settings(ui: SimpleNamespace) -> None:
     widget("draft", gr.Textbox(default["draft"], label="draft model or head", info="a model: best with the target's "
                                "tokenizer (another works through text); EAGLE-3 / DFlash: the head's folder or Hub id; "
                                "synthetic α runs its passes for their cost"))  # fmt: skip
+    # where a head is picked, the heads there are for this target (app.heads), or where one comes from
+    ui.heads = gr.Dropdown([], value=None, label="heads for this target", visible=False, elem_id="heads",
+                           info="forged in the Lab (newest first), then the presets'; picking one fills the box above")
+    ui.heads_note = gr.HTML("", elem_id="heads-note", padding=False)
     with gr.Row():
         ui.check = gr.Button("Check pair", size="sm", elem_id="check-pair")
         ui.forget = gr.Button("Clear suffix memory", size="sm", elem_id="forget")
@@ -146,6 +150,7 @@ def build_playground(ui: SimpleNamespace) -> None:
             example_labels=[label for _, _, label in EXAMPLES],
             label="",
         )
+    ui.shown = gr.State(None)  # what panes, summary and chart showed when the last run ended (handlers.compare)
     ui.chart = gr.Plot(label="live charts", elem_id="live-chart")
     ui.memory = gr.Plot(label="memory", elem_id="memory-chart")
     ui.timer = gr.Timer(2.0)
@@ -169,18 +174,26 @@ SHOW_RUN = """(...values) => { if (window.innerWidth < 768) {
     document.querySelector('#field-prompt')?.scrollIntoView({behavior: 'smooth', block: 'start'}); }
     return values; }"""
 
+# On a phone the summary sits under two stacked panes: when a run ends, the summary is scrolled into view, its
+# bottom at the view's bottom (as much of the panes above it as fits), or its top at the view's top where it is
+# taller than the view, so that the speedup and acceptance cards are seen without scrolling.
+SHOW_SUMMARY = """(...values) => { if (window.innerWidth < 768) {
+    const summary = document.querySelector('#summary');
+    if (summary) summary.scrollIntoView({block: summary.offsetHeight < window.innerHeight ? 'end' : 'start'}); }
+    return values; }"""
+
 
 def wire(ui: SimpleNamespace) -> None:
     if sorted(ui.form) != sorted(handlers.API_FIELDS):
         raise RuntimeError(f"the form's fields {sorted(ui.form)} are not the API's {sorted(handlers.API_FIELDS)}")
     outputs = [ui.result, ui.status, ui.baseline, ui.speculative, ui.summary, ui.chart, ui.history,
                ui.history_table, ui.files, ui.form_error, ui.again, ui.sidebar,
-               *(ui.accordions[g] for g in handlers.GROUPS)]  # fmt: skip
+               *(ui.accordions[g] for g in handlers.GROUPS), ui.shown]  # fmt: skip
     # Values reach the handler as sent (preprocess=False): our checks name the field and say what to do, where
     # Gradio's bounds would answer an API caller with a bare HTTP 400. No progress overlay: its animation alone
     # costs a CPU machine a good share of the model's speed.
     run_args = dict(
-        inputs=[ui.prompt, ui.history], inputs_kwargs=ui.form, outputs=outputs, preprocess=False,
+        inputs=[ui.prompt, ui.history, ui.shown], inputs_kwargs=ui.form, outputs=outputs, preprocess=False,
         concurrency_limit=1, concurrency_id="device", show_progress="hidden",
     )  # fmt: skip
     compare = on_gpu(handlers.compare)
@@ -192,13 +205,16 @@ def wire(ui: SimpleNamespace) -> None:
         announced = trigger(handlers.announce, outputs=[ui.run, ui.status, ui.next_note], js=SHOW_RUN,
                             trigger_mode="multiple", **quick)  # fmt: skip
         ran = announced.then(compare, **api, **run_args)
-        for after in (ran.then, ran.failure):  # Gradio runs .then only after a success
-            after(handlers.settle, outputs=[ui.run, ui.next_note], **quick)
+        # Gradio runs .then only after a success: a run that ended brings its summary into view on a phone; a
+        # refused or failed one leaves the view on its message
+        ran.then(handlers.settle, outputs=[ui.run, ui.next_note], js=SHOW_SUMMARY, **quick)
+        ran.failure(handlers.settle, outputs=[ui.run, ui.next_note], **quick)
     ui.stop.click(handlers.stop, outputs=[ui.status, ui.run], queue=False, api_visibility="private")
     ui.forget.click(handlers.forget, outputs=[ui.status], queue=False, api_visibility="private")
     ui.clear.click(
         handlers.clear,
-        outputs=[ui.result, ui.status, ui.baseline, ui.speculative, ui.summary, ui.chart, ui.form_error, ui.again],
+        outputs=[ui.result, ui.status, ui.baseline, ui.speculative, ui.summary, ui.chart, ui.form_error, ui.again,
+                 ui.shown],
         queue=False,
         api_visibility="private",
     )
@@ -217,6 +233,10 @@ def wire(ui: SimpleNamespace) -> None:
         handlers.check_pair, inputs_kwargs=ui.form, outputs=[ui.doctor], preprocess=False, api_name="doctor",
         concurrency_id="device",
     )  # fmt: skip
+    for field in (ui.form["drafter"], ui.form["target"]):  # the heads offered follow the drafter and the target
+        field.change(handlers.offer_heads, inputs=[ui.form["drafter"], ui.form["target"]],
+                     outputs=[ui.heads, ui.heads_note], **quick)  # fmt: skip
+    ui.heads.input(handlers.head_picked, inputs=[ui.heads], outputs=[ui.form["draft"]], **quick)
     ui.timer.tick(handlers.memory_tick, outputs=[ui.memory], queue=False, api_visibility="private",
                   show_progress="hidden")  # fmt: skip
 
@@ -251,5 +271,5 @@ def build_demo() -> gr.Blocks:
             wire(play)
         with gr.Tab("Lab"):
             lab.wire(lab.build_layout(), play)
-        demo.load(None, js=CLOSE_ON_PHONES)
+        demo.load(None, js=f"() => {{ ({CLOSE_ON_PHONES})(); ({render.FIELD_MESSAGES})(); }}")
     return demo

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import threading
@@ -28,6 +29,7 @@ def ui_values(model_dirs, **over):
 
 
 FIELD_ERROR, AGAIN, SIDEBAR = 9, 10, 11  # positions in the handler's outputs (after result ... downloads)
+SHOWN = SIDEBAR + 1 + len(handlers.GROUPS)  # the last: what the panes, summary and chart show at the run's end
 
 
 def plain(html: str) -> str:
@@ -63,8 +65,10 @@ def test_settings_have_one_named_shape_across_form_api_and_cli():
 def test_compare_streams_and_ends_with_a_lossless_result(model_dirs):
     outputs = run_handler(ui_values(model_dirs))
     assert len(outputs) > 3  # loading, warm-up, streaming updates, final
-    assert {len(out) for out in outputs} == {SIDEBAR + 1 + len(handlers.GROUPS)}  # one value per output, each time
-    result, status, base_pane, spec_pane, summary, chart, history, table, files, error, again, *opens = outputs[-1]
+    assert {len(out) for out in outputs} == {SHOWN + 1}  # one value per output, each time
+    result, status, base_pane, spec_pane, summary, chart, history, table, files, error, again, *opens, shown = \
+        outputs[-1]  # fmt: skip
+    assert shown == (base_pane, spec_pane, summary, chart)  # what a refused press later puts back
     status = plain(status)
     assert result["identical"] is True and result["status"] == "done"
     assert result["baseline"]["text"] == result["speculative"]["text"]
@@ -112,8 +116,10 @@ def test_bad_input_names_its_field_in_the_error_and_on_the_form(model_dirs, over
     assert message in str(err) and f"(field: {field})" in str(err)
     marked = outputs[-1][FIELD_ERROR]  # the field-error output: the message on that field, and a red outline
     assert f'data-field="{field}"' in marked and f"#field-{field}" in marked and "outline" in marked
+    # the message itself is page text (put under the field by render.FIELD_MESSAGES), not drawn by CSS
+    assert message in html.unescape(marked) and "::after" not in marked and "content:" not in marked
     assert plain(outputs[-1][1]) == f"not started: check {LABELS[field]}, as marked"  # no run was counted; once
-    opened = outputs[-1][SIDEBAR:]  # the sidebar and the group that hold the field open, so its message shows
+    opened = outputs[-1][SIDEBAR:SHOWN]  # the sidebar and the group that hold the field open, so its message shows
     if field != "prompt":
         assert opened[0]["open"] is True
         group = handlers.GROUP_OF.get(field)
@@ -130,6 +136,80 @@ def test_a_value_refused_while_opening_the_pair_counts_no_run(model_dirs):
     assert "context" not in status  # the message sits under the field only
     assert isinstance(history, type(gr.skip())) or history == []  # no row: nothing ran
     assert plain(run_handler(ui_values(model_dirs, max_new_tokens=4))[-1][1]).startswith("run 1 · done")
+
+
+def test_a_value_refused_while_opening_the_pair_keeps_the_last_result(model_dirs):
+    """Issue 57.5: a press refused once the pair has begun to open (here a prompt past the context) puts back what
+    the panes, the summary and the chart showed, and leaves the chart alone while it opens; Clear forgets it."""
+    shown = run_handler(ui_values(model_dirs, max_new_tokens=4))[-1][SHOWN]
+    assert "outputs identical" in shown[2]
+    outputs, _ = run_until_error(ui_values(model_dirs, prompt="x" * 300, shown=shown))
+    base_pane, spec_pane, summary, chart = outputs[-1][2:6]
+    assert (base_pane, spec_pane, summary, chart) == shown
+    assert all(isinstance(out[5], type(gr.skip())) for out in outputs[:-1])  # no empty chart while it opened
+    assert isinstance(outputs[-1][SHOWN], type(gr.skip()))  # and what it keeps is the same
+    # refused before the pair opens: nothing of the last run is touched
+    outputs, _ = run_until_error(ui_values(model_dirs, gamma=0, shown=shown))
+    assert all(isinstance(v, type(gr.skip())) for v in outputs[-1][2:9] + (outputs[-1][SHOWN],))
+    # without a last result (the first press, or after Clear) the panes say "not started"
+    outputs, _ = run_until_error(ui_values(model_dirs, prompt="x" * 300, shown=handlers.clear()[-1]))
+    assert "not started" in outputs[-1][2] and "Run a comparison" in outputs[-1][4]
+
+
+def head_folder(root, name: str, kind: str = "eagle3", target: str | None = "bundled", when: float = 0.0):
+    """A head's files as app.heads reads them (config.json, and forge-report.json where the forge wrote one)."""
+    import os
+
+    folder = root / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"speculators_model_type": kind}))
+    if target is not None:
+        (folder / "forge-report.json").write_text(json.dumps({"target": target}))
+    for path in folder.iterdir():
+        os.utime(path, (when, when))
+    return str(folder)
+
+
+def test_heads_offered_are_those_for_this_target_and_drafter_newest_first(tmp_path):
+    """Issue 57.6: forged heads for the target (by date, newest first), then the presets' heads for it."""
+    from app import heads
+    from engine.settings import BUNDLED
+
+    old = head_folder(tmp_path, "old", when=1_700_000_000)
+    new = head_folder(tmp_path, "new", target=BUNDLED, when=1_750_000_000)
+    unknown = head_folder(tmp_path, "unknown", target=None, when=1_600_000_000)
+    head_folder(tmp_path, "other-target", target="Qwen/Qwen2.5-7B-Instruct", when=1_760_000_000)
+    head_folder(tmp_path, "a-dflash", kind="dflash", when=1_760_000_000)
+    (tmp_path / "not-a-head").mkdir()
+    (tmp_path / "not-a-head" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    found = heads.offered(BUNDLED, "eagle3", tmp_path)
+    assert [h.spec for h in found] == [new, old, unknown]
+    assert found[0].label.startswith("forged 2025-06-") and found[0].label.endswith(" · new")
+    assert "target not recorded" in found[2].label
+    assert [h.spec for h in heads.offered("bundled", "dflash", tmp_path)] == [str(tmp_path / "a-dflash")]
+    assert heads.offered(BUNDLED, "prompt-lookup", tmp_path) == []
+    llama = heads.offered("meta-llama/Llama-3.1-8B-Instruct", "eagle3", tmp_path / "none")
+    assert [h.spec for h in llama] == ["yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+                                       "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3"]  # fmt: skip
+    assert all(h.label.startswith("preset · ") for h in llama)
+
+
+def test_a_head_drafter_lists_the_heads_or_points_to_the_labs_forge(tmp_path, monkeypatch):
+    from engine import policy
+
+    monkeypatch.setattr(policy, "forged_heads", lambda: tmp_path)
+    listed, note = handlers.offer_heads("prompt-lookup", "bundled")
+    assert listed["visible"] is False and note == ""
+    listed, note = handlers.offer_heads("eagle3", "bundled")
+    assert listed["visible"] is False and listed["choices"] == []
+    text = plain(note)
+    assert "No EAGLE-3 head for this target yet" in text and "Lab" in text and "Forge a head" in text
+    assert "python -m" not in text and "meta-llama/Llama-3.1-8B-Instruct" in text  # where the presets have one
+    assert "trains EAGLE-3 heads only" in plain(handlers.offer_heads("dflash", "bundled")[1])
+    head = head_folder(tmp_path, "mine")
+    listed, note = handlers.offer_heads("eagle3", "bundled")
+    assert listed["visible"] is True and [v for _, v in listed["choices"]] == [head] and note == ""
+    assert handlers.head_picked(head) == head and isinstance(handlers.head_picked(None), type(gr.skip()))
 
 
 def test_a_run_that_fails_is_counted(model_dirs, monkeypatch):
@@ -230,8 +310,8 @@ def test_colours_follow_token_origin():
 
 def test_clear_resets_every_output_and_presets_fill_the_form(model_dirs):
     cleared = handlers.clear()
-    result, status, base_pane, spec_pane, summary, chart, error, again = cleared
-    assert result == {} and plain(status) == "" and error == "" and again["visible"] is False
+    result, status, base_pane, spec_pane, summary, chart, error, again, shown = cleared
+    assert result == {} and plain(status) == "" and error == "" and again["visible"] is False and shown is None
     assert "not started" in base_pane and "not started" in spec_pane and "Run a comparison" in summary
     assert json.loads(chart.plot)["data"] == []
     values = handlers.apply_preset("Qwen2.5-7B-Instruct + Qwen2.5-0.5B-Instruct (GPU)")
