@@ -400,8 +400,9 @@ def describe_prompts(categories, file, dataset) -> str:
     """Which prompts the forge would use: the Lab's prompt set or its task categories."""
     try:
         suite = suite_of(categories, file, dataset)
-    except UserError as exc:
-        return f"Prompts: ⚠ {exc}"
+    except UserError as exc:  # a prompt set's own error is said under its field (app.prompt_sets.described)
+        where = prompt_sets.FIELDS.get(exc.field) or SHARED.get(exc.field)
+        return f"Prompts: ⚠ check {where} above." if where else f"Prompts: ⚠ {exc}"
     if suite == ",".join(categories or []):
         return f"Prompts: the task suite's categories {', '.join(categories)} (chosen above)."
     name = (file.get("orig_name") if isinstance(file, dict) else None) or Path(suite).name if file else suite

@@ -39,8 +39,10 @@ so they show what this draft would reach at that α. Suffix cells start with an 
 run the prompts in order, each seeing the earlier prompts' outputs. The camera icon on a chart saves it as PNG; the
 report's charts.html holds both charts and opens offline."""
 
+# "α": kept over checked draft tokens, the predictor's alpha and the one the verdicts quote; "acceptance": kept over
+# drafted (tokens after a rejection, never checked, count as rejected)
 CELL_COLUMNS = ["drafter", "γ", "temperature", "confidence stop", "tree top-k", "speedup ×", "min", "max", "samples",
-                "acceptance", "base tok/s", "spec tok/s", "lossless"]  # fmt: skip
+                "α", "acceptance", "base tok/s", "spec tok/s", "lossless"]  # fmt: skip
 LOAD_COLUMNS = ["at a time", "speedup ×", "base tok/s", "spec tok/s", "base p50 s", "base p99 s", "spec p50 s",
                 "spec p99 s"]  # fmt: skip
 # "usually": where speculation usually wins or loses on such tasks (presets), not what this sweep measured
@@ -77,7 +79,7 @@ def build_layout() -> SimpleNamespace:
                                       elem_id=field_id("max_new_tokens"))
         ui.concurrency = gr.Textbox("", label="concurrency (vLLM backend)", placeholder="e.g. 1,2,4,8",
                                     info="requests at a time: after the sweep, a load curve of its best setting",
-                                    elem_id=field_id("concurrency"))
+                                    elem_id=field_id("concurrency"), visible=False)
     ui.prompt_set = prompt_sets.build_layout()
     for name in prompt_sets.FIELDS:  # marked like the Lab's other fields
         setattr(ui, name, getattr(ui.prompt_set, name))
@@ -92,7 +94,8 @@ def build_layout() -> SimpleNamespace:
         ui.curve = gr.Plot(label="predicted vs measured speedup over γ", elem_id="lab-curve")
         ui.category_chart = gr.Plot(label="by task category (best cell)", elem_id="lab-categories")
     ui.category_table = gr.Dataframe(headers=CATEGORY_COLUMNS, label="by task category (best cell)", interactive=False)
-    with gr.Row():
+    # only vLLM batches requests: the in-process engine and llama-server (one slot) have no load axis to draw
+    with gr.Row(visible=False, elem_id="lab-load-row") as ui.load_row:
         ui.load_chart = gr.Plot(label="under load: where speculation stops paying", elem_id="lab-load")
         ui.load_table = gr.Dataframe(headers=LOAD_COLUMNS, label="under load", interactive=False)
     ui.snippets = gr.Markdown(label="settings to take to production")
@@ -114,7 +117,8 @@ def _identical(cell: dict):
 def cell_rows(data: dict) -> list[list]:
     return [
         [c["drafter"], c["gamma"], c["temperature"], c.get("p_min", 0.0), c.get("topk", 1), _r(c["speedup"]["median"]),
-         _r(c["speedup"]["min"]), _r(c["speedup"]["max"]), c["speedup"]["n"], _r(c["acceptance_rate"]["median"]),
+         _r(c["speedup"]["min"]), _r(c["speedup"]["max"]), c["speedup"]["n"], _r(c.get("alpha")),
+         _r(c["acceptance_rate"]["median"]),
          _r(c["baseline_tps"]["median"], 1), _r(c["speculative_tps"]["median"], 1), _identical(c)]
         for c in data["cells"]
     ]  # fmt: skip
@@ -267,10 +271,28 @@ def plan(gammas, temperatures, drafters, categories, per_category, repeats, swee
     if not 1 <= int(repeats) <= 10:
         raise UserError(f"repeats {repeats} is out of range: use 1 to 10.", field="repeats")
     levels = _levels(concurrency)
-    if levels and base.backend == "transformers":
-        raise UserError("a load curve needs a serving backend: choose vLLM on the Playground, or leave "
-                        "concurrency empty.", field="backend")  # fmt: skip
+    if levels and not has_load_axis(base.backend):
+        raise UserError("a load curve needs a serving backend that batches requests: choose vLLM on the Playground "
+                        "(llama-server here serves one request at a time), or leave concurrency empty.",
+                        field="backend")  # fmt: skip
     return base, prompts, sorted(int(g) for g in gammas), temps, (stops, widths), levels
+
+
+def has_load_axis(backend: str) -> bool:
+    """Whether a backend serves several requests at once (vLLM); llama-server runs with one slot here."""
+    return backend == "vllm"
+
+
+def load_visible(backend):
+    """The concurrency field and the "under load" chart and table, shown for a backend with a load axis only."""
+    shown = has_load_axis(str(backend or ""))
+    return gr.update(visible=shown), gr.update(visible=shown)
+
+
+def cleared() -> tuple:
+    """The results' components emptied (what it used stays): a sweep refused or started leaves no earlier verdict
+    or table beside its own status line, to be read as this one's."""
+    return (gr.skip(), "", [], None, None, [], None, [], "", None)
 
 
 def with_progress(work):
@@ -302,11 +324,11 @@ def run_sweep(
             gammas, temperatures, drafters, categories, per_category, repeats, sweep_max_new_tokens, concurrency,
             p_mins, form, dict(file=prompts_file, dataset=dataset, seed=sample_seed, held_out=held_out), topks)
     except UserError as exc:
-        yield (*keep, *marked(exc))
+        yield (*cleared(), *marked(exc))
         raise api_error(exc) from None
     session = session_of(request, ":lab")
     stop = STOPS.start(session)
-    yield (*keep, render.status_line("starting the sweep"), "")
+    yield (*cleared(), render.status_line("starting the sweep"), "")
 
     try:
         data = yield from _measure(base, prompts, gammas, temps, drafters, repeats, options, levels, stop)
@@ -432,7 +454,11 @@ def wire(ui: SimpleNamespace, play: SimpleNamespace) -> None:
                  preprocess=False, api_name="sweep", concurrency_limit=1, concurrency_id="device",
                  show_progress="hidden")  # fmt: skip
     ui.stop.click(stop, outputs=[ui.status], queue=False, api_visibility="private")
-    prompt_sets.wire(ui.prompt_set, ui.categories)
+    prompt_sets.wire(ui.prompt_set, ui.categories, ui.form_error)
+    backend = play.form["backend"]
+    ui.concurrency.visible = ui.load_row.visible = has_load_axis(backend.value)
+    backend.change(load_visible, inputs=[backend], outputs=[ui.concurrency, ui.load_row], queue=False,
+                   api_visibility="private")  # fmt: skip
     forge_panel.wire(ui.forge, ui, play)
     # editing the marked field takes its mark away (the Lab's own fields, and the sidebar's it may mark)
     for name, component in [*((field_id(n), getattr(ui, n)) for n in LAB_FIELDS),

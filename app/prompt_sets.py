@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import gradio as gr
 
+from app import render
 from engine import presets
 from engine.errors import UserError, blame
 from engine.measure import promptsets
@@ -96,8 +97,21 @@ def chosen(categories, per_category, file=None, dataset="", seed="", held_out=0)
     return promptsets.select(found, wanted or None, int(per_category), seed_of(seed), float(held_out or 0))
 
 
-def describe(file, dataset, seed, held_out) -> str:
-    """What the set holds: prompts, turns, categories, skipped lines and why, and the held-out split's sizes."""
+def described(file, dataset, seed, held_out) -> tuple[str, str]:
+    """(what the set holds, field mark): a set that cannot be used is said once, under the field at fault (the Lab's
+    form mark, where a sweep refused for it puts the same message), and the line here only points at it. A usable
+    set leaves the mark as it is (editing a marked field takes its own mark away in the browser)."""
+    try:
+        return describe(file, dataset, seed, held_out, strict=True), gr.skip()
+    except UserError as exc:
+        if exc.field not in FIELDS:
+            return f"⚠ {exc}", gr.skip()
+        return f"⚠ check {FIELDS[exc.field]}, as marked.", render.field_error(exc, field_id(exc.field))
+
+
+def describe(file, dataset, seed, held_out, strict: bool = False) -> str:
+    """What the set holds: prompts, turns, categories, skipped lines and why, and the held-out split's sizes (a set
+    that cannot be used: its error, or raised with `strict`)."""
     try:
         found = source(file, dataset)
         text = found.summary()
@@ -107,26 +121,29 @@ def describe(file, dataset, seed, held_out) -> str:
                      f"measured; {len(train)} left to train on.")  # fmt: skip
         return text
     except UserError as exc:
+        if strict:
+            raise
         return f"⚠ {exc}"
 
 
 def inspect(file, dataset, seed, held_out):
-    """(what was found, the categories field): a file's or dataset's categories, all chosen; the task suite's
-    default choice when neither is given."""
-    text = describe(file, dataset, seed, held_out)
+    """(what was found, the categories field, field mark): a file's or dataset's categories, all chosen; the task
+    suite's default choice when neither is given; a set that cannot be used marked under its field (described)."""
+    text, mark = described(file, dataset, seed, held_out)
     try:
         found = source(file, dataset)
     except UserError:
-        return text, gr.update()
+        return text, gr.update(), mark
     if found.name == "task suite":
-        return text, gr.update(choices=presets.categories(), value=SUITE_DEFAULT)
+        return text, gr.update(choices=presets.categories(), value=SUITE_DEFAULT), mark
     names = list(found.categories())
-    return text, gr.update(choices=names, value=names)
+    return text, gr.update(choices=names, value=names), mark
 
 
-def wire(p: SimpleNamespace, categories: gr.Dropdown) -> None:
+def wire(p: SimpleNamespace, categories: gr.Dropdown, form_error: gr.HTML) -> None:
+    """What a set holds, as its fields change; `form_error`: the Lab's field mark, where a set's error is said."""
     fields = [p.prompts_file, p.dataset, p.sample_seed, p.held_out]
     for event in (p.prompts_file.change, p.dataset.submit, p.dataset.blur):
-        event(inspect, fields, [p.found, categories], queue=False, api_visibility="private")
+        event(inspect, fields, [p.found, categories, form_error], queue=False, api_visibility="private")
     for event in (p.sample_seed.blur, p.held_out.release):
-        event(describe, fields, [p.found], queue=False, api_visibility="private")
+        event(described, fields, [p.found, form_error], queue=False, api_visibility="private")

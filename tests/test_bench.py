@@ -247,3 +247,46 @@ def test_the_backends_side_by_side_names_a_tree_apart_from_the_chain_of_the_same
     lines = backends_table(runs).splitlines()[1:]
     assert [line.split()[:2] for line in lines] == [["eagle3", "1"], ["vllm", "1.0"], ["eagle3", "k3"]]
     assert lines[2].split()[-1] == "0.50" and lines[1].split()[-1] == "0.30"
+
+
+def test_the_verdict_quotes_the_alpha_the_table_shows_for_the_cell_it_names():
+    """A verdict read alpha 0.59 beside a table's 0.45 for the same gamma: the predictor pools every gamma of the
+    fit. Each cell now carries its own alpha (kept over checked draft tokens), the cells table shows it, and the
+    verdict names the cell's."""
+    from app import lab
+
+    cells = [Cell("draft-model", 2, 0.0, [_sample(2, 0.8, 1.6)], ["all"]),
+             Cell("draft-model", 4, 0.0, [_sample(4, 0.5, 1.9)], ["all"])]  # fmt: skip
+    fits = bench.verdicts_by_cell(predict.fit_all(cells), cells)
+    assert fits[0]["alpha"] == pytest.approx(0.6)  # pooled over both cells: no cell's
+    assert fits[0]["verdict"].startswith("use gamma 4: measured 1.90x (alpha 0.50,")
+    rows = lab.cell_rows({"cells": [c.summary() for c in cells]})
+    alpha = lab.CELL_COLUMNS.index("α")
+    assert [r[1] for r in rows] == [2, 4] and [r[alpha] for r in rows] == [0.8, 0.5]
+    assert fits[0]["verdict_alpha"] == {"gamma": 4, "alpha": pytest.approx(0.5)}
+
+
+def test_a_refused_sweep_leaves_no_earlier_results_and_load_shows_only_on_vllm(model_dirs):
+    """A sweep refused (or started) empties the verdict, tables, charts and files of the one before, so that its
+    status line is not read beside another sweep's results. The "under load" chart and table, and the concurrency
+    field, are shown for vLLM alone: the in-process engine and llama-server (one slot) have no load axis."""
+    from types import SimpleNamespace
+
+    import gradio as gr
+
+    from app import lab
+    from tests.test_app import lab_form, plain
+
+    outputs = []
+    with pytest.raises(gr.Error):
+        for out in lab.run_sweep([2], "hot", ["prompt-lookup"], ["code"], 1, 1, 8, "", "0",
+                                 request=SimpleNamespace(session_hash="lab-refused"), **lab_form(model_dirs)):
+            outputs.append(out)  # fmt: skip
+    (uses, verdict, cells, curve, chart, categories, load_chart, load_rows, snippets, files, status, mark), = outputs
+    assert (verdict, cells, curve, chart, categories, load_chart, load_rows, snippets, files) == \
+        ("", [], None, None, [], None, [], "", None)  # fmt: skip
+    assert plain(status) == "not started: check temperatures, as marked" and "write numbers separated by commas" in mark
+    for backend, shown in (("vllm", True), ("transformers", False), ("llama.cpp", False)):
+        assert [u["visible"] for u in lab.load_visible(backend)] == [shown, shown]
+    with pytest.raises(Exception, match="batches requests"):
+        lab.plan([2], "0", ["prompt-lookup"], ["code"], 1, 1, 8, "1,2", "0", lab_form(model_dirs, backend="llama.cpp"))

@@ -274,14 +274,31 @@ def test_the_lab_says_what_a_file_holds_and_offers_its_categories(tmp_path):
     from app import prompt_sets
 
     path = write(tmp_path, "question.jsonl", SPECBENCH + [{"nothing": "here"}])
-    text, categories = prompt_sets.inspect(str(path), "", "", 0.5)
+    text, categories, mark = prompt_sets.inspect(str(path), "", "", 0.5)
     assert "question.jsonl (turns, sha256" in text and "4 prompt(s), 2 of them multi-turn (6 turns in all)" in text
     assert "Skipped 1: line 5: no prompt in it (keys: nothing)" in text
     assert "Held out at share 0.5 (seed 0):" in text
     assert categories["choices"] == categories["value"] == ["writing", "math_reasoning", "translation"]
-    text, categories = prompt_sets.inspect(None, "", "", 0)
+    text, categories, _ = prompt_sets.inspect(None, "", "", 0)
     assert text.startswith("task suite") and categories["value"] == prompt_sets.SUITE_DEFAULT
     assert prompt_sets.describe(str(write(tmp_path, "e.jsonl", " ")), "", "", 0).startswith("⚠ e.jsonl is empty")
+
+
+def test_a_broken_file_is_said_once_under_its_field(tmp_path):
+    """Uploaded, a file that cannot be read was said in the Lab's "found" line, in the forge's prompts line and,
+    once a sweep was refused for it, under the field: the message now stands under the field alone (the Lab's form
+    mark, which a refused sweep fills with the same message), the other lines point at it."""
+    from app import forge_panel, prompt_sets
+
+    path = str(write(tmp_path, "bad.jsonl", '{"prompt": "a"}\n{oops\n'))
+    text, categories, mark = prompt_sets.inspect(path, "", "", 0)
+    message = "bad.jsonl, line 2 is not JSON"
+    assert message in mark and "#lab-field-prompts_file" in mark
+    assert message not in text and text == "⚠ check prompts file, as marked."
+    said = forge_panel.describe_prompts(["code"], path, "")
+    assert message not in said and said == "Prompts: ⚠ check prompts file above."
+    text, mark = prompt_sets.described(path, "", "x", 0)  # the seed's blur: the file's mark again, once
+    assert message in mark and message not in text
 
 
 def test_a_lab_sweep_runs_an_uploaded_multi_turn_file(model_dirs, tmp_path):

@@ -165,7 +165,39 @@ class Cell:
                 "topk": self.topk}  # fmt: skip
         if self.server_command:
             head["server_command"] = self.server_command
-        return head | _stats(self.samples) | {"by_category": by_category, "positions": positions(self.samples)}
+        pooled = positions(self.samples)
+        return head | _stats(self.samples) | {"by_category": by_category, "positions": pooled,
+                                              "alpha": alpha_of(pooled)}  # fmt: skip
+
+
+def alpha_of(pooled: list[list[int]]) -> float | None:
+    """Alpha as the predictor means it: kept over checked draft tokens ([reached, kept] per position, pooled), not
+    kept over drafted (the acceptance rate counts the tokens after a rejection, never checked, as rejected)."""
+    checked = sum(r for r, _ in pooled)
+    return sum(k for _, k in pooled) / checked if checked else None
+
+
+def verdicts_by_cell(fits: list[dict], cells: list[Cell]) -> list[dict]:
+    """Each fit's verdict said with the alpha of the cell it names (its best measured gamma's), the alpha the cells
+    table shows for that cell; the predictor's own alpha pools every gamma of the fit (a verdict read 0.59 beside
+    a table's 0.45). The pooled alpha still draws the curve."""
+    from engine.measure.predict import verdict
+
+    for fit in fits:
+        key = (fit["drafter"], fit["temperature"], fit["p_min"], fit["topk"])
+        group = [c for c in cells if (c.drafter, c.temperature, c.p_min, c.topk) == key]
+        named = next((c for c in group if c.gamma == fit["best_gamma"]), None) or min(group, key=lambda c: c.gamma)
+        alpha = alpha_of(positions(named.samples))
+        if alpha is None:
+            continue
+        measured = {p["gamma"]: p["measured"] for p in fit["curve"] if p["measured"] is not None}
+        best = next(p for p in fit["curve"] if p["gamma"] == fit["best_predicted_gamma"])
+        samples = [s for c in group for s in c.samples]
+        fit["verdict"] = verdict(alpha, fit["cost_ratio_c"] or 0.0, {v["gamma"]: v["cost"] for v in fit["verify_cost"]},
+                                 fit["best_gamma"], measured, best, c_known=fit["cost_ratio_c"] is not None,
+                                 pairs=len(samples), tested=sum(r for r, _ in positions(samples)))  # fmt: skip
+        fit["verdict_alpha"] = {"gamma": named.gamma, "alpha": alpha}
+    return fits
 
 
 class Session:
@@ -376,7 +408,7 @@ def sweep(
             for i, c in enumerate(cells)
             for s, cat in zip(c.samples, c.categories)
         ],  # fmt: skip
-        "fits": fit_all(cells),
+        "fits": verdicts_by_cell(fit_all(cells), cells),
         # wall time of the whole sweep (loading, warm-ups, every A/B pair) per prompt-turn and cell measured
         "timing": {"wall_s": wall, "prompt_turns": measured, "per_prompt_s": wall / measured if measured else None},
     }
