@@ -16,6 +16,7 @@ from html import escape
 from engine.backends.servers import NAMES
 from engine.decoding.metrics import Metrics, StepEvent
 from engine.errors import UserError
+from engine.models.bandwidth import words as limit_words
 
 KINDS = {  # CSS class suffix -> legend label; the colours live in assets/style.css
     "acc": "accepted draft",
@@ -101,6 +102,11 @@ def pane(title: str, body: str, stats: str, identical_hint: str = "", waiting: s
         f'<span class="sa-stats">{escape(stats)}</span>{identical_hint}</div>'
         f'<div class="sa-text">{body or empty}</div></div>'
     )
+
+
+def hint(text: str) -> str:
+    """A quiet line under a field that says what to do (such as where a head comes from)."""
+    return f'<div class="sa-hint">{escape(text)}</div>'
 
 
 def next_run_note(names: list[str], queued: bool = False) -> str:
@@ -197,6 +203,7 @@ def environment_line(env: dict | None) -> str:
     parts = [
         env.get("device_name", "") + (f", {threads} threads" if threads and env.get("device") != "cuda" else ""),
         env.get("dtype", ""),
+        limit_words(env),
         "lean forward" if env.get("forward") == "lean" else "",
         f"linears: {env['linear_forms']}" if env.get("linear_forms") else "",
         strict_line(env),
@@ -271,27 +278,63 @@ def field_id(name: str) -> str:
     return f"field-{name}"
 
 
-def _css_string(text: str) -> str:
-    """Text as a CSS string literal that no input can break out of: everything but ASCII letters, digits and
-    spaces as a hex escape."""
-    return '"' + "".join(c if (c.isascii() and c.isalnum()) or c == " " else f"\\{ord(c):x} " for c in text) + '"'
-
-
 def field_error(exc: UserError, elem_id: str | None = None) -> str:
-    """A red outline and the message under the field at fault (`elem_id`, else the form's field of that name),
-    drawn by CSS, and nowhere else (the status line only points at the field). Stays until the user edits that
-    field or runs again."""
+    """A red outline and the message under the field at fault (`elem_id`, else the form's field of that name), and
+    nowhere else (the status line only points at the field). Stays until the user edits that field or runs again.
+
+    The message is page text, not CSS, so that it can be read aloud, selected and found: this mark carries it
+    hidden, and FIELD_MESSAGES (run in the page) puts it under the field as `<p id="err-FIELD" role="alert">`, with
+    `aria-invalid` and `aria-describedby` on the field's input, and takes them away when the mark goes. A Gradio
+    component cannot be given another component's DOM from the server, hence the script."""
     if not exc.field:
         return ""
     elem_id = elem_id or field_id(exc.field)
-    target = f"#{elem_id}"
-    style = (
-        f"<style>{target} {{ outline: 2px solid #dc2626; outline-offset: 2px; border-radius: 8px; }}"
-        f"{target}::after {{ content: {_css_string(str(exc))}; display: block; color: #b91c1c; "
-        "font-size: 0.85em; padding: 4px 2px 0; white-space: normal; }</style>"
-    )
+    style = f"<style>#{elem_id} {{ outline: 2px solid #dc2626; outline-offset: 2px; border-radius: 8px; }}</style>"
     return (f'<div class="sa-form-error" data-field="{escape(exc.field, quote=True)}" '
-            f'data-where="{escape(elem_id, quote=True)}">{style}</div>')
+            f'data-where="{escape(elem_id, quote=True)}">{style}<span class="sa-form-error-text" hidden>'
+            f"{escape(str(exc))}</span></div>")
+
+
+# Each field error's message, under its field (see field_error): kept in step with the marks on the page by one
+# observer, so that a mark Gradio adds, replaces or empties (a run, an edit, Clear) moves the message with it.
+FIELD_MESSAGES = """() => {
+    const unmark = (p) => {
+        const id = p.id;
+        document.querySelectorAll(`[aria-describedby~="${id}"]`).forEach(i => {
+            const rest = i.getAttribute('aria-describedby').split(' ').filter(t => t && t !== id).join(' ');
+            rest ? i.setAttribute('aria-describedby', rest) : i.removeAttribute('aria-describedby');
+            i.removeAttribute('aria-invalid');
+        });
+        p.remove();
+    };
+    const mark = (where, text) => {
+        const field = document.getElementById(where);
+        if (!field) return;
+        const id = 'err-' + where;
+        let p = document.getElementById(id);
+        if (p && p.parentElement !== field) { unmark(p); p = null; }
+        if (!p) {
+            p = document.createElement('p');
+            p.id = id; p.className = 'sa-field-message'; p.dataset.for = where; p.setAttribute('role', 'alert');
+            p.textContent = text;
+            field.appendChild(p);
+        } else if (p.textContent !== text) p.textContent = text;
+        field.querySelectorAll('input, textarea, select').forEach(i => {
+            if (i.getAttribute('aria-invalid') !== 'true') i.setAttribute('aria-invalid', 'true');
+            const ids = (i.getAttribute('aria-describedby') || '').split(' ').filter(Boolean);
+            if (!ids.includes(id)) i.setAttribute('aria-describedby', [...ids, id].join(' '));
+        });
+    };
+    const sync = () => {
+        const wanted = new Map();
+        document.querySelectorAll('.sa-form-error[data-where]').forEach(e =>
+            wanted.set(e.dataset.where, e.querySelector('.sa-form-error-text')?.textContent || ''));
+        document.querySelectorAll('p.sa-field-message').forEach(p => { if (!wanted.has(p.dataset.for)) unmark(p); });
+        wanted.forEach((text, where) => mark(where, text));
+    };
+    new MutationObserver(sync).observe(document.body, {childList: true, subtree: true, characterData: true});
+    sync();
+}"""
 
 
 # Editing a field takes its error mark away, and a status that reported a failure with it (in the browser: no
@@ -318,7 +361,8 @@ def status_line(text: str, detail: str = "", error: bool = False) -> str:
     may want besides, such as the end of a crashed server's log, is folded under it."""
     if not text:
         return '<div class="sa-status"></div>'
-    fold = (f'<details class="sa-detail"><summary>show the log</summary><pre>{escape(detail)}</pre></details>'
-            if detail else "")  # fmt: skip
+    # the log scrolls within its box: tabindex lets a keyboard reach and scroll it
+    fold = (f'<details class="sa-detail"><summary>show the log</summary><pre tabindex="0">{escape(detail)}</pre>'
+            "</details>" if detail else "")  # fmt: skip
     css = "sa-status sa-status-error" if error else "sa-status"
     return f'<div class="{css}" role="status">{escape(text)}{fold}</div>'

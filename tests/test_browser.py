@@ -84,11 +84,19 @@ def choose(page, name: str, label: str) -> None:
     page.wait_for_function(f"() => document.querySelector('#field-{name} input').value.includes({label!r})")
 
 
-def field_message(page, name: str) -> str:
-    """The error text the page shows under a field (drawn by CSS after it), '' when none."""
-    return page.evaluate(
-        f"() => getComputedStyle(document.querySelector('#field-{name}'), '::after').content.replace(/^none$/, '')"
-    )
+def field_message(page, name: str, where: str = "field") -> str:
+    """The error text the page shows under a field, '' when none: page text under the field, tied to its input
+    (aria-invalid, aria-describedby), as a screen reader finds it. `where`: the field ids' prefix."""
+    return page.evaluate(f"""() => {{
+        const field = document.querySelector('#{where}-{name}');
+        const message = document.querySelector('#err-{where}-{name}');
+        if (!message) return '';
+        const input = field.querySelector('input, textarea, select');
+        const tied = input.getAttribute('aria-invalid') === 'true' &&
+            (input.getAttribute('aria-describedby') || '').split(' ').includes(message.id);
+        const alert = message.getAttribute('role') === 'alert';
+        return field.contains(message) && tied && alert ? message.innerText : 'untied';
+    }}""")
 
 
 def visible_error_pills(page) -> int:
@@ -487,9 +495,7 @@ def test_run_says_it_runs_and_settings_changed_meanwhile_apply_to_the_next_run(o
 
 
 def lab_field_message(page, name: str) -> str:
-    return page.evaluate(
-        f"() => getComputedStyle(document.querySelector('#lab-field-{name}'), '::after').content.replace(/^none$/, '')"
-    )
+    return field_message(page, name, "lab-field")
 
 
 def test_the_labs_errors_are_shown_as_the_playgrounds(own_page):
