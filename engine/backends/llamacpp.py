@@ -61,11 +61,11 @@ NEEDED_FLAGS = ("--spec-type", "--spec-draft-n-max", "--spec-draft-n-min", "--sp
                 "--spec-draft-sampling", "--spec-ngram-simple-size-m", "--spec-ngram-map-k-size-m",
                 "--spec-ngram-mod-n-max", "--no-webui")  # fmt: skip
 # What llama-server (b11434) logs as it starts, and cmake as it configures and builds it: the last line that matches
-# one of these is the phase it is in.
+# one of these is the phase it is in. Its warm-up (an empty run) follows the thread pool's start.
 PHASES = [
-    (r"loading model '|llama_model_loader|load_tensors|print_info", "loading the model"),
-    (r"llama_context|llama_kv_cache|warming up the model", "warming up"),
-    (r"initializing slots|model loaded|listening on", "ready"),
+    (r"load_model: loading model '", "loading the model"),
+    (r"threadpool init|warming up the model", "warming up"),
+    (r"load_model: initializing|model loaded|listening on", "ready"),
 ]
 BUILD_PHASES = [
     (r"^-- ", "configuring"),
@@ -263,7 +263,7 @@ def model_gguf(spec: str, dtype: str, progress=lambda message: None, convert: bo
     out = converted_dir() / f"{folder.name}-{digest[:16]}-{outtype}.gguf"
     if convert and not out.is_file():
         progress(f"converting {folder.name} to GGUF ({outtype}) with llama.cpp's converter, once")
-        to_gguf(folder, out.with_suffix(".part"), outtype, progress=progress, what=str(folder), field="target")
+        to_gguf(folder, out.with_suffix(".part"), outtype, progress=progress, what=folder.name, field="target")
         out.with_suffix(".part").rename(out)
     return out
 

@@ -182,7 +182,10 @@ def run_watched(command: list[str], what: str, phases: list[tuple[str, str]], pr
                 env: dict | None = None) -> tuple[int, str]:  # fmt: skip
     """Run `command` to its end, its output in a log file, telling `progress` "`what`: phase (elapsed; log: ...)"
     as it goes: llama.cpp's conversion of a model and its build take minutes. (exit code, the log's text)."""
-    log_path = log_folder() / f"{re.sub(r'[^a-z0-9]+', '-', what.lower()).strip('-')}-{time.time_ns()}.log"
+    slug = re.sub(r"[^a-z0-9]+", "-", what.lower()).strip("-")[:40]
+    handle, name = tempfile.mkstemp(prefix=f"{slug}-", suffix=".log", dir=log_folder())
+    os.close(handle)
+    log_path = Path(name)
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     watch = Watch(log_path, phases)
