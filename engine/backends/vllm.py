@@ -221,7 +221,7 @@ class VLLM:
 
         wanted = {keys[role]: maker(role, args) for role, args in configs.items()}
         # on a GPU one after the other: each server sizes its KV cache from the memory it finds free
-        yield Status("starting the vLLM servers, baseline and speculative (30-60 s on a CPU)")
+        yield Status("starting the vLLM servers, baseline and speculative (30 s to 3 minutes on a CPU)")
         servers = yield from in_thread(lambda say: POOL.get_many(wanted, START_TIMEOUT, say, together=not share))
         for role in configs:
             self.urls[role] = servers[keys[role]].url
