@@ -172,6 +172,14 @@ def parser() -> argparse.ArgumentParser:
     add_pair_args(doctor)
     doctor.add_argument("--tokens", type=int, default=2048, help="prompt + new tokens, to size the KV cache")
     doctor.add_argument("--json", action="store_true", help="print one JSON object")
+
+    roof = sub.add_parser("roofline", help="the machine's read bandwidth, the model's bytes per token and the bound "
+                          "tok/s, beside what each linear-layer kernel and the engine's own passes reach")
+    roof.add_argument("--target", default=BUNDLED, help=f"Hub id, local folder, {BUNDLED} (default) or random:<shape>")
+    roof.add_argument("--dtype", default="float32", help="float32 (default) | bfloat16 | float16 | auto")
+    roof.add_argument("--device", default="auto")
+    roof.add_argument("--rows", default="1,2,3,5,8", help="pass sizes to time, comma-separated")
+    roof.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     return top
 
 
@@ -365,7 +373,10 @@ LOSSLESS = {"identical": "yes", "rounding": "rounding", "unjudged": "? (unjudged
 
 
 def versions(env: dict) -> str:
-    """The engine's versions: vLLM's for the vLLM backend, torch's and transformers' for ours."""
+    """The engine's versions: vLLM's for the vLLM backend, torch's and transformers' for ours, with the bandwidth
+    bound beside them (engine.models.bandwidth)."""
+    from engine.models.bandwidth import words
+
     if env.get("backend") == "vllm":
         return f"vLLM {env.get('vllm')}"
     if env.get("backend") == "llama.cpp":
@@ -373,7 +384,8 @@ def versions(env: dict) -> str:
     forms = (", lean forward" if env.get("forward") == "lean" else "") + (
         f", linears: {env['linear_forms']}" if env.get("linear_forms") else ""
     )
-    return f"torch {env['torch']}, transformers {env['transformers']}{forms}"
+    bound = words(env)
+    return f"torch {env['torch']}, transformers {env['transformers']}{forms}" + (f"; {bound}" if bound else "")
 
 
 def _label(drafter: str, p_min: float, topk: int) -> str:
@@ -594,9 +606,37 @@ def cmd_head_misses(args) -> int:
     return 0
 
 
+def cmd_roofline(args) -> int:
+    from engine.measure.roofline import roofline
+
+    rows = tuple(sorted(set(_numbers(args.rows, int, "rows")) | {1}))  # a one-token pass: the one the bound is for
+    data = roofline(args.target, args.dtype, args.device, rows, lambda message: print(message, file=sys.stderr))
+    print(roofline_table(data))
+    if args.json:
+        Path(args.json).write_text(json.dumps(data, indent=1))
+    return 0
+
+
+def roofline_table(data: dict) -> str:
+    """The bound, then each kernel's GB/s over the model's linear weights and the engine's passes, per pass size."""
+    rows = data["rows"]
+    lines = [f"{data['target']} ({data['dtype']}) on {data['device_name']}, {data['threads']} threads: "
+             f"{data['limit']['token_mb']:.0f} MB of weights per token, read bandwidth {data['limit']['read_gbs']:.1f} "
+             f"GB/s: bound {data['limit']['bound_tok_s']:.1f} tok/s",
+             f"{'GB/s of linear weights, at rows':34}" + "".join(f"{n:>8}" for n in rows)]  # fmt: skip
+    for name, rates in data["kernels"].items():
+        lines.append(f"  {name:32}" + "".join(f"{rates[str(n)]:>8.1f}" for n in rows))
+    lines.append(f"{'one-token pass, tok/s (% of bound); k rows: cost in one-token passes':34}")
+    for name, passes in data["passes"].items():
+        one = passes["tok_s"]
+        lines.append(f"  {name:32}{one:>8.1f} ({one / data['limit']['bound_tok_s']:.0%})  "
+                     + "  ".join(f"{n}: {passes['cost'][str(n)]:.2f}" for n in rows if n > 1))  # fmt: skip
+    return "\n".join(lines)
+
+
 COMMANDS = {"run": cmd_run, "bench": cmd_bench, "doctor": cmd_doctor, "gpu-check": cmd_gpu_check,
             "build-llama-server": cmd_build_llama_server, "forge": cmd_forge,
-            "head-misses": cmd_head_misses}  # fmt: skip
+            "head-misses": cmd_head_misses, "roofline": cmd_roofline}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -608,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.worker import ENGINE
 
     try:
-        if args.command == "bench":  # all of a benchmark's torch work on one thread (engine.worker)
+        if args.command in ("bench", "roofline"):  # all of a benchmark's torch work on one thread (engine.worker)
             return ENGINE.call(COMMANDS[args.command], args)
         # the forge goes to the engine thread itself (engine.forge.pipeline.forge), leaving this one to take a
         # first Ctrl-C as its Stop

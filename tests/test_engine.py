@@ -290,8 +290,8 @@ def test_cpu_linear_forms_match_stock_layers(model_dirs, llama_pair, monkeypatch
     assert run_spec(packed.model, tok, ids, PromptLookup(), 4, 30).token_ids == expected
 
 
-TABLES = [("packed",), ("transposed",), ("stock", "stock", "stock", "transposed", "transposed", "packed"),
-          ("stock", "packed", "stock", "transposed")]  # fmt: skip
+TABLES = [("packed",), ("transposed",), ("blas",), ("stock", "stock", "stock", "transposed", "transposed", "packed"),
+          ("stock", "packed", "stock", "transposed"), ("stock", "blas", "stock", "packed", "blas")]  # fmt: skip
 
 
 @pytest.mark.parametrize("table", TABLES)
@@ -357,7 +357,7 @@ def test_linear_forms_follow_the_measurements_and_are_measured_once(llama_pair, 
     first = cpu.choose_forms(model, "tiny|float32", file, said.append)
     assert said and "timing" in said[0]
     measured = first["measured"]
-    assert measured is not None and set(measured) == {"stock_s", "transposed_s", "packed_s", "shapes_s"}
+    assert measured is not None and set(measured) == {f"{form}_s" for form in cpu.FORMS} | {"shapes_s"}
     assert all(set(measured[f"{form}_s"]) == set(range(1, cpu.PAD_ROWS + 1)) for form in cpu.FORMS)
     shapes = {layer.shape for layer in first["layers"]}
     assert set(measured["shapes_s"]) == shapes and "384x64" in shapes  # each weight shape timed alone, the LM head's

@@ -22,6 +22,7 @@ from engine.decoding.sampling import SamplingConfig
 from engine.decoding.speculative import speculative_decode
 from engine.errors import OutOfMemory, UserError, blame
 from engine.events import Status
+from engine.models.bandwidth import limit
 from engine.models.cpu import device_name
 from engine.models.loading import MODELS, LoadedModel, free_memory, resolve_device
 from engine.settings import HEAD_NAMES, MAX_GAMMA, Settings
@@ -140,6 +141,7 @@ class Transformers:
             "draft_tokenizer": None if self.pair.draft is None else "same ids" if self.pair.same_ids else
             "another: drafts re-encoded through text",
             "step_s_at_load": target.step_s,
+            **ENGINE.call(limit, target.token_bytes, device),  # the bandwidth bound beside the measured tok/s
             "strict": getattr(self, "strict", None),
         }
 

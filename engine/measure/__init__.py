@@ -10,6 +10,7 @@
     explain     why speculation lost, or won under its prediction, in the run's own costs
     report      exports: JSON, CSV, settings and the engines' command lines
     gpucheck    the one-shot diagnosis of the GPU path
+    roofline    a model's bound on this machine beside each kernel's GB/s and the engine's passes
 """
 
 from engine import exports

@@ -56,10 +56,12 @@ import platform
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import torch
 
-FORMS = ("stock", "transposed", "packed")  # stock first: what a form must beat, and what HF runs
+FORMS = ("stock", "transposed", "packed", "blas")  # stock first: what a form must beat, and what HF runs
+COPIES = ("transposed", "packed")  # the forms that hold a copy of the weight (blas reads the stock one in place)
 PAD_ROWS = 17  # pass sizes timed (a decode step, verify passes of 1-16 draft tokens); longer ones run as this
 PAD_GAIN = 0.05  # padding must save this share of the pass, more than the timing noise
 FORM_GAIN = 0.05  # a form must save this share of a pass over stock layers to serve it
@@ -67,8 +69,8 @@ GROUP_GAIN = 0.02  # forms per weight shape must save this share of a whole pass
 # cached choices of an older version are measured again (4: the transposed form, per size; 5: timed in the lean
 # forward pass where it runs, engine.decoding.lean; 6: padding kept only where a second timing agrees; 7: the lean
 # pass's verify attention reads shared keys and values in place, which makes multi-row passes cheaper; 8: forms per
-# weight shape)
-FORMS_VERSION = 8
+# weight shape; 9: numpy's OpenBLAS, the "blas" form)
+FORMS_VERSION = 9
 
 
 class CpuLinear(torch.nn.Module):
@@ -86,6 +88,9 @@ class CpuLinear(torch.nn.Module):
         if "packed" in forms:
             self.weights["packed"] = torch.ops.mkldnn._reorder_linear_weight(weight)  # no batch hint: see above
         self.bias = None if linear.bias is None else linear.bias.detach()
+        if "blas" in forms:  # numpy views of the same memory: no copy
+            self.weights["blas"] = weight
+            self._blas = (weight.numpy(), None if self.bias is None else self.bias.numpy())
         self.table: tuple[str, ...] = ("stock",)
         self.pad: tuple[int, ...] = ()  # pad[n]: the rows a pass of n rows runs as (shared by every layer)
 
@@ -106,9 +111,21 @@ class CpuLinear(torch.nn.Module):
         if form == "transposed":
             out = torch.matmul(x, weight)
             return out if self.bias is None else out.add_(self.bias)
+        if form == "blas":
+            return self._run_blas(x, rows)
         flat = x.reshape(-1, self.in_features)
         out = torch.ops.mkldnn._linear_pointwise(flat, weight, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _run_blas(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """numpy's OpenBLAS on views of the same tensors: one row as a matrix-vector product (W @ x, reading W
+        row by row, in order), more rows as x @ W.T."""
+        weight, bias = self._blas
+        flat = x.reshape(rows, self.in_features).numpy()
+        out = np.matmul(weight, flat[0])[None] if rows == 1 else np.matmul(flat, weight.T)
+        if bias is not None:
+            out += bias
+        return torch.from_numpy(out).reshape(*x.shape[:-1], self.out_features)
 
     @property
     def shape(self) -> str:
@@ -148,15 +165,17 @@ def _linears(model) -> list[tuple[torch.nn.Module, str, torch.nn.Linear]]:
 
 
 def fitting_forms(model) -> tuple[str, ...]:
-    """The forms this model's linear layers can hold: stock, and each other form whose copy of the weights (on
-    top of those before it) stays within a quarter of the free memory; packed alone besides stock with
-    SPECARENA_CPU_PACK=1; () where the forms are not used at all."""
+    """The forms this model's linear layers can hold: stock, blas (no copy), and each form with a copy of the
+    weights (on top of those before it) that stays within a quarter of the free memory; packed alone besides stock
+    with SPECARENA_CPU_PACK=1; () where the forms are not used at all."""
     if not enabled(model):
         return ()
+    if mode() == "1":
+        return ("stock", "packed")
     copy_bytes = sum(child.weight.numel() * child.weight.element_size() for _, _, child in _linears(model))
-    wanted = ("packed",) if mode() == "1" else FORMS[1:]
     free = psutil.virtual_memory().available
-    return ("stock",) + tuple(form for i, form in enumerate(wanted, 1) if i * copy_bytes <= 0.25 * free)
+    copies = [form for i, form in enumerate(COPIES, 1) if i * copy_bytes <= 0.25 * free]
+    return tuple(form for form in FORMS if form not in COPIES or form in copies)
 
 
 def wrap_linears(model: torch.nn.Module, forms: tuple[str, ...]) -> list[CpuLinear]:
@@ -245,7 +264,8 @@ def _pad_table(times: dict[int, float]) -> tuple[int, ...]:
     return tuple(pad) if any(m != n for n, m in enumerate(pad)) else ()
 
 
-NAMES = {"stock": "stock nn.Linear", "transposed": "transposed weights", "packed": "oneDNN-packed"}
+NAMES = {"stock": "stock nn.Linear", "transposed": "transposed weights", "packed": "oneDNN-packed",
+         "blas": "OpenBLAS (numpy)"}
 
 
 def _runs(table: tuple[str, ...]) -> list[list]:

@@ -33,6 +33,7 @@ from engine.decoding.lean import attach as attach_lean
 from engine.decoding.runtime import compile_decoding, measure_verify_costs, time_passes, time_strict
 from engine.errors import OutOfMemory, UserError
 from engine.models import random_shapes as random_models
+from engine.models.bandwidth import bytes_per_token, read_bandwidth
 from engine.models.cpu import STOCK, choose_forms, shape_key
 from engine.models.sizing import context_length
 from engine.settings import BUNDLED, MAX_GAMMA, cache_dir
@@ -226,6 +227,7 @@ class LoadedModel:
     step_s: float | None = field(default=None)  # a one-token forward pass (after 64 tokens), timed at load
     origin: str = field(default="")  # where the weights came from, where the spec does not say (the bundled fallback)
     lean: bool = field(default=False)  # its passes run the lean forward (engine.decoding.lean), not the model's own
+    token_bytes: int = field(default=0)  # weights a one-token pass reads (engine.models.bandwidth.bytes_per_token)
 
     @property
     def context_length(self) -> int | None:
@@ -403,6 +405,7 @@ def _load(
     model.eval().requires_grad_(False)
     params = sum(p.numel() for p in model.parameters())
     vocab = int(model.get_output_embeddings().weight.shape[0])
+    token_bytes = bytes_per_token(model)  # before the linears change form: their weights are then no parameters
     # the lean pass first, so that the layouts below are timed in the passes that will run them
     lean = pack and not compile and attach_lean(model)  # on CPU only: attach_lean checks
     forms = STOCK
@@ -413,6 +416,7 @@ def _load(
     linear_forms = forms["linear_forms"] if device.type == "cpu" else ""
     with torch.inference_mode():  # what one decode step costs right now: the yardstick for suspect runs
         step_s = time_passes(model, (1,))[1]
+    read_bandwidth(device)  # measured once per device (a second or two), then recalled: the bound beside tok/s
     if compile:
         # compiled graphs are kept between processes (inductor's FX graph and AOT autograd caches are on by
         # default): in the cache folder rather than /tmp, which a restart or a Space's rebuild empties
@@ -421,7 +425,7 @@ def _load(
     took = time.perf_counter() - start
     origin = f"{source.repo_id} from the Hugging Face Hub" if source.spec == BUNDLED and source.repo_id else ""
     return LoadedModel(source.spec, model, tokenizer, device, dtype, took, params, vocab, reformed, compile,
-                       linear_forms, step_s, origin, lean)  # fmt: skip
+                       linear_forms, step_s, origin, lean, token_bytes)  # fmt: skip
 
 
 def _random(source: Source, device: torch.device, dtype: torch.dtype):

@@ -1,0 +1,32 @@
+"""`python -m engine roofline`: a model's bound on this machine beside what each linear-layer kernel and the
+engine's own passes reach (engine.models.bandwidth has the bound; engine.models.cpu the kernels)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models.bandwidth import kernel_rates, limit
+
+
+def roofline(target: str, dtype: str = "float32", device: str = "auto", rows=(1, 2, 3, 5, 8), progress=print) -> dict:
+    """Everything `python -m engine roofline` prints: the limit, each kernel's GB/s over the model's linear weights
+    (float32 on CPU), and whole passes as the engine runs them (lean forward, the forms chosen for this CPU) and as
+    transformers runs them (the model's own forward, stock layers: what generate() runs), per pass size."""
+    from engine.decoding.runtime import time_passes
+    from engine.models.cpu import NAMES, device_name
+    from engine.models.loading import MODELS
+
+    plain = MODELS.get(target, dtype, device, progress=progress, pack=False)
+    ours = MODELS.get(target, dtype, device, progress=progress)
+    progress("timing each kernel over the model's weight shapes, then whole passes")
+    kernels = {NAMES[form]: {str(n): rate for n, rate in rates.items()}
+               for form, rates in kernel_rates(plain.model, rows).items()}  # fmt: skip
+    passes = {}
+    for name, loaded in (("SpecArena (as loaded)", ours), ("transformers forward, stock", plain)):
+        with torch.inference_mode():
+            took = time_passes(loaded.model, tuple(rows), repeats=5)
+        passes[name] = {"tok_s": 1 / took[rows[0]], "cost": {str(n): took[n] / took[rows[0]] for n in rows},
+                        "ms": {str(n): took[n] * 1000 for n in rows}}  # fmt: skip
+    return {"target": target, "dtype": str(ours.dtype).replace("torch.", ""), "device_name": device_name(ours.device),
+            "threads": torch.get_num_threads(), "linear_forms": ours.linear_forms, "rows": list(rows),
+            "limit": limit(ours.token_bytes, ours.device), "kernels": kernels, "passes": passes}  # fmt: skip
