@@ -120,7 +120,8 @@ class Settings:
             bad("draft", "is empty, and the draft-model drafter needs one: name it, or pick prompt lookup.")
         if self.drafter in HEADS and not self.draft.strip():
             raise UserError(f"the {HEAD_NAMES[self.drafter]} drafter needs a head: name its folder or Hub id in the "
-                            "draft field (a preset fills it), or forge one with `python -m engine forge`.",
+                            "draft field (a preset, or the page's list of heads for this target, fills it), or forge "
+                            "one in the Lab tab's Forge (`python -m engine forge` on the command line).",
                             field="draft")  # fmt: skip
         if not 1 <= self.gamma <= MAX_GAMMA:
             bad("gamma", f"{self.gamma} is out of range: use a whole number from 1 to {MAX_GAMMA}.")
