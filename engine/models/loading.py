@@ -416,7 +416,7 @@ def _load(
     linear_forms = forms["linear_forms"] if device.type == "cpu" else ""
     with torch.inference_mode():  # what one decode step costs right now: the yardstick for suspect runs
         step_s = time_passes(model, (1,))[1]
-    read_bandwidth(device)  # measured once per device (a second or two), then recalled: the bound beside tok/s
+    read_bandwidth(device, measure=True)  # the bound beside tok/s: the best read seen here (a fraction of a second)
     if compile:
         # compiled graphs are kept between processes (inductor's FX graph and AOT autograd caches are on by
         # default): in the cache folder rather than /tmp, which a restart or a Space's rebuild empties

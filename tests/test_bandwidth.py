@@ -1,0 +1,40 @@
+"""The bound beside every figure (engine.models.bandwidth): the weights a one-token pass reads, and a read bandwidth
+that a busy first measurement cannot pin low."""
+
+from __future__ import annotations
+
+import torch
+
+
+def test_bytes_per_token_count_a_tied_output_layer_once_and_an_untied_embedding_as_one_row():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.models.bandwidth import bytes_per_token
+
+    def model(tied: bool):
+        config = LlamaConfig(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, tie_word_embeddings=tied)  # fmt: skip
+        return LlamaForCausalLM(config)
+
+    tied, untied = model(True), model(False)
+    every = sum(p.numel() * 4 for p in untied.parameters())
+    assert bytes_per_token(untied) == every - 383 * 32 * 4  # the embedding: one row read
+    assert bytes_per_token(tied) == every - 384 * 32 * 4  # the shared matrix read once, by the output layer
+
+
+def test_the_read_bandwidth_keeps_the_best_measurement_and_is_recalled_without_one(tmp_path, monkeypatch):
+    from engine.models import bandwidth
+
+    monkeypatch.setenv("SPECARENA_CACHE", str(tmp_path))
+    monkeypatch.setattr(bandwidth, "_KNOWN", {})
+    reads = iter([12.6e9, 33.0e9, 20.0e9])
+    monkeypatch.setattr(bandwidth, "measure_bandwidth", lambda device: next(reads))
+    assert bandwidth.read_bandwidth("cpu") == 12.6e9  # unknown: measured (on a busy machine)
+    assert bandwidth.read_bandwidth("cpu") == 12.6e9  # recalled, not measured
+    assert bandwidth.read_bandwidth("cpu", measure=True) == 33.0e9  # a later load measures the quiet machine
+    assert bandwidth.read_bandwidth("cpu", measure=True) == 33.0e9  # a busier one does not pull it down
+    monkeypatch.setattr(bandwidth, "_KNOWN", {})  # another process: from the cache folder
+    assert bandwidth.read_bandwidth(torch.device("cpu")) == 33.0e9
+    limit = bandwidth.limit(538_000_000, "cpu")
+    assert limit == {"read_gbs": 33.0, "token_mb": 538.0, "bound_tok_s": 61.3}
+    assert bandwidth.words(limit) == "bound 61 tok/s (538 MB per token at 33.0 GB/s)"
