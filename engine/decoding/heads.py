@@ -15,10 +15,19 @@ vLLM does); sampled runs draw each draft token from the head's q, with the run's
 rejection rule of engine.decoding.sampling keeps the output exactly the target's distribution.
 
 DFlash (block drafting). The target's features of the kept rows become context keys and values in every draft layer
-(hidden_norm(fc(concat)), never normed again); one non-causal pass over a block [last token, mask x gamma] proposes
-gamma tokens at once (gamma < B, the block size it was trained with), through the target's own embedding and LM head.
-The block has gamma + 1 rows, as vLLM and llama.cpp run it (z-lab's reference always runs B rows; in a non-causal block
-the length changes the proposals). The head's cache keeps only context rows.
+(hidden_norm(fc(concat)), never normed again); one pass over a block [last token, mask x gamma] proposes gamma tokens at
+once (gamma < B, the block size it was trained with), through the target's own embedding and LM head. Each layer's
+block is causal or not as its config says, resolved the way vLLM resolves it (engine.models.heads): z-lab's heads and
+full-attention layers see the whole block, the speculators trainer's sliding-window layers only the rows before. The
+block has gamma + 1 rows, as vLLM and llama.cpp run it (z-lab's reference always runs B rows; in a non-causal block the
+length changes the proposals). The head's cache keeps only context rows.
+
+Sliding windows. A layer with a window W (`HeadConfig.windows`) lets a row at position p see the keys at positions
+above p - W only, as vLLM's attention does (the speculators trainer's default: every layer windowed at 2048).
+
+The layer code (HeadLayer, Head.layer_input, Head.logits) serves drafting here and training (engine.forge.train) alike,
+for a batch of sequences; the drafting loops below keep the attention over their caches, as vLLM keeps its proposer
+apart from the model files.
 """
 
 from __future__ import annotations
@@ -62,15 +71,26 @@ class HeadConfig:
     fc_norm: bool = False  # one RMSNorm per feature before fc (speculators `fc_norm.i`)
     norm_output: bool = False  # EAGLE-3.1: the post-norm state is fed back
     qk_norm: bool = False  # per-head RMSNorm on queries and keys (Qwen3-style DFlash layers)
+    windows: tuple[int, ...] = ()  # per layer: the sliding window, 0 = full attention (empty: all full)
+    causal: tuple[bool, ...] = ()  # per layer, DFlash: whether the block is causal (empty: none is)
+    logit_scale: float = 1.0  # the draft logits are multiplied by it (vLLM's `logit_scale`)
     block_size: int = 0  # DFlash: tokens per block, the first being the last verified token
     mask_token_id: int = 0  # DFlash: the token that fills the block after it
     verifier: str = ""  # the target the head was trained for, where its config says
     proposed_gamma: int = 0  # the draft length its config proposes (speculators' speculative_tokens), 0: none
     layout: str = ""  # the layout it was read from: eagle3-original | speculators-eagle3 | dflash | speculators-dflash
+    refused: tuple[str, ...] = ()  # fields of its config SpecArena does not run, by name: loading refuses the head
+    note: str = ""  # where the references disagree on this head, which one it follows
 
     @property
     def feature_size(self) -> int:
         return len(self.layers) * (self.target_hidden_size or self.hidden_size)
+
+    def window(self, layer: int) -> int:
+        return self.windows[layer] if self.windows else 0
+
+    def block_causal(self, layer: int) -> bool:
+        return bool(self.causal[layer]) if self.causal else False
 
     def rotary(self) -> tuple[torch.Tensor, float]:
         """inv_freq and attention scaling, computed by transformers from the head's own rope fields."""
@@ -98,14 +118,15 @@ class RMSNorm(nn.Module):
 
 
 class HeadCache:
-    """Keys and values of every head layer, (1, kv heads, capacity, head dim), written in place; grows by doubling.
-    Cropping only moves the length."""
+    """Keys and values of every head layer, (1, kv heads, capacity, head dim), and each row's position (a tree's rows
+    sit at their depth's position), written in place; grows by doubling. Cropping only moves the length."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device, capacity: int = 256):
         self.shape, self.dtype, self.device = (1, kv_heads, 0, head_dim), dtype, device
         shape = (1, kv_heads, 0, head_dim)
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.positions = torch.empty(0, dtype=torch.long, device=device)
         self.length, self.capacity = 0, 0
         self.make_room(capacity)
 
@@ -119,14 +140,16 @@ class HeadCache:
                 new = torch.empty(shape, dtype=self.dtype, device=self.device)
                 new[:, :, : self.length] = old[:, :, : self.length]
                 tensors[i] = new
-        self.capacity = capacity
+        positions = torch.empty(capacity, dtype=torch.long, device=self.device)
+        positions[: self.length] = self.positions[: self.length]
+        self.positions, self.capacity = positions, capacity
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin for x of (1, heads, rows, D)."""
+    """x * cos + rotate_half(x) * sin for x of (B, heads, rows, D)."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
@@ -161,26 +184,44 @@ class HeadLayer(nn.Module):
         self.act = ACT2FN[c.hidden_act]
 
     def split(self, x: torch.Tensor, proj: nn.Linear, heads: int, norm: str | None = None) -> torch.Tensor:
-        """(1, rows, width) -> (1, heads, rows, D), through `proj` and the per-head norm named `norm`, if any."""
-        y = proj(x).view(1, x.shape[1], heads, self.head_dim)
+        """(B, rows, width) -> (B, heads, rows, D), through `proj` and the per-head norm named `norm`, if any."""
+        y = proj(x).view(x.shape[0], x.shape[1], heads, self.head_dim)
         if norm is not None and hasattr(self.self_attn, norm):
             y = getattr(self.self_attn, norm)(y)
         return y.transpose(1, 2)
 
+    def query(self, inp: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """(B, rows, width) -> roped queries (B, heads, rows, D)."""
+        return rope(self.split(inp, self.self_attn.q_proj, self.heads, "q_norm"), cos, sin)
+
+    def keys_values(self, inp: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(B, rows, width) -> roped keys and values, (B, kv heads, rows, D) each."""
+        keys = rope(self.split(inp, self.self_attn.k_proj, self.kv_heads, "k_norm"), cos, sin)
+        return keys, self.split(inp, self.self_attn.v_proj, self.kv_heads)
+
     def finish(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """o_proj, the residual, and the MLP block: (1, H, rows, D) -> (1, rows, hidden)."""
-        rows = attended.shape[2]
-        h = residual + self.self_attn.o_proj(attended.transpose(1, 2).reshape(1, rows, -1))
+        """o_proj, the residual, and the MLP block: (B, H, rows, D) -> (B, rows, hidden)."""
+        b, rows = attended.shape[0], attended.shape[2]
+        h = residual + self.self_attn.o_proj(attended.transpose(1, 2).reshape(b, rows, -1))
         m, normed = self.mlp, self.post_attention_layernorm(h)
         return h + m.down_proj(self.act(m.gate_proj(normed)) * m.up_proj(normed))
 
 
-def attend(q, keys, values, past: int, causal: bool, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """SDPA of q's rows, which sit at cache positions past.., over keys/values (1, KV, total, D); `mask` (rows,
-    total), when given, says which keys each row sees instead."""
-    rows, total = q.shape[2], keys.shape[2]
-    if mask is None and causal and rows > 1:
-        mask = (torch.arange(total, device=q.device) <= torch.arange(past, past + rows, device=q.device)[:, None])
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int = 0,
+            mask: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
+    """Which keys each query row sees, (rows, keys), or None for all: keys at positions up to the row's own when
+    `causal`, above its position - `window` when windowed (vLLM's sliding window), and only those `mask` allows."""
+    rows = q_pos.shape[0]
+    if causal and mask is None and rows > 1:
+        mask = k_pos[None, :] <= q_pos[:, None]
+    if window and int(q_pos.max()) - int(k_pos.min()) >= window:
+        inside = k_pos[None, :] > q_pos[:, None] - window
+        mask = inside if mask is None else mask & inside
+    return mask
+
+
+def attend(q, keys, values, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA of q's rows over keys/values (1, KV, total, D); `mask` (rows, total): which keys each row sees."""
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=q.shape[1] != keys.shape[1])
 
 
@@ -240,6 +281,28 @@ class Head(nn.Module):
         full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
         return full.index_copy_(1, self.d2t, logits)
 
+    def logits(self, states: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of final states (..., hidden) -> (..., Vd), scaled by the config's logit_scale."""
+        logits = self.lm_head(states)
+        scale = self.config.logit_scale
+        return logits if scale == 1.0 else logits * scale
+
+    def layer_input(self, i: int, tokens_embedded: torch.Tensor | None, h: torch.Tensor):
+        """EAGLE-3 layer i's residual and attention input for rows (B, rows, hidden): layer 0 reads the token
+        embedding and the feature (or its own earlier output) side by side, each normed on its own (2H); later layers
+        read the state below. norm_before_residual: the residual is the normed feature (vLLM, speculators)."""
+        layer = self.layers[i]
+        if i > 0:
+            return h, layer.input_layernorm(h)
+        normed = layer.hidden_norm(h)
+        residual = normed if self.config.norm_before_residual else h
+        return residual, torch.cat((layer.input_layernorm(tokens_embedded), normed), dim=-1)  # (B, rows, 2H)
+
+    def output(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer's states -> (the state fed back at the next position, draft-vocab logits)."""
+        out = self.norm(h)
+        return (out if self.config.norm_output else h), self.logits(out)
+
     def eagle3(self, tokens: torch.Tensor, x: torch.Tensor, cache: HeadCache, positions: torch.Tensor | None = None,
                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """EAGLE-3 rows after what `cache` holds: tokens (rows,), x (rows, hidden) = fused target features or the
@@ -248,47 +311,44 @@ class Head(nn.Module):
         each sees (its ancestors'), where a chain's rows follow each other causally."""
         c, rows, past = self.config, tokens.shape[0], cache.length
         cache.make_room(past + rows)
+        if positions is None:
+            positions = torch.arange(past, past + rows, device=tokens.device)
+        cache.positions[past : past + rows] = positions
+        k_pos = cache.positions[: past + rows]
         cos, sin = self.rotary(past, rows, x.dtype, positions)
-        e = self.embed_tokens(tokens)[None]  # (1, rows, H)
-        h = x[None]
+        e, h = self.embed_tokens(tokens)[None], x[None]  # (1, rows, H)
         for i, layer in enumerate(self.layers):
-            if i == 0:
-                normed = layer.hidden_norm(h)
-                residual = normed if c.norm_before_residual else h
-                inp = torch.cat((layer.input_layernorm(e), normed), dim=-1)  # (1, rows, 2H)
-            else:
-                residual, inp = h, layer.input_layernorm(h)
-            q = rope(layer.split(inp, layer.self_attn.q_proj, c.num_heads, "q_norm"), cos, sin)
-            k = rope(layer.split(inp, layer.self_attn.k_proj, c.num_kv_heads, "k_norm"), cos, sin)
-            v = layer.split(inp, layer.self_attn.v_proj, c.num_kv_heads)
-            cache.keys[i][:, :, past : past + rows] = k
-            cache.values[i][:, :, past : past + rows] = v
-            a = attend(q, cache.keys[i][:, :, : past + rows], cache.values[i][:, :, : past + rows], past, True, mask)
-            h = layer.finish(residual, a)
+            residual, inp = self.layer_input(i, e, h)
+            q = layer.query(inp, cos, sin)
+            cache.keys[i][:, :, past : past + rows], cache.values[i][:, :, past : past + rows] = layer.keys_values(
+                inp, cos, sin)  # fmt: skip
+            seen = visible(positions, k_pos, True, c.window(i), mask)
+            h = layer.finish(residual, attend(q, cache.keys[i][:, :, : past + rows],
+                                              cache.values[i][:, :, : past + rows], seen))  # fmt: skip
         cache.length = past + rows
-        out = self.norm(h[0])
-        return (out if c.norm_output else h[0]), self.lm_head(out)
+        state, logits = self.output(h[0])
+        return state, logits
 
     def dflash(self, context: torch.Tensor, block: torch.Tensor, cache: HeadCache) -> torch.Tensor:
         """One DFlash block: context (rows, features) of the positions after what `cache` holds, then the block's
         tokens (B,) at the positions after them. Returns the block's final states (B, hidden); the cache keeps the
-        context rows only."""
+        context rows only. Each layer's block is causal or not, and windowed or not, as the config says."""
         c, past, rows, size = self.config, cache.length, context.shape[0], block.shape[0]
         cache.make_room(past + rows + size)
+        total = past + rows + size
+        positions = torch.arange(past, total, device=block.device)
+        cache.positions[past:total] = positions
+        k_pos, q_pos = cache.positions[:total], positions[rows:]
         ctx = self.fuse(context)[None]  # (1, rows, H): keys and values come straight from it in every layer
         cos, sin = self.rotary(past, rows + size, ctx.dtype)
         h = self.embed_tokens(block)[None]  # (1, B, H)
-        total = past + rows + size
         for i, layer in enumerate(self.layers):
             inp = layer.input_layernorm(h)
-            both = torch.cat((ctx, inp), dim=1)  # (1, rows + B, H)
-            q = layer.split(inp, layer.self_attn.q_proj, c.num_heads, "q_norm")
-            q = rope(q, cos[:, :, rows:], sin[:, :, rows:])  # the block's positions
-            k = rope(layer.split(both, layer.self_attn.k_proj, c.num_kv_heads, "k_norm"), cos, sin)
-            cache.keys[i][:, :, past:total] = k
-            cache.values[i][:, :, past:total] = layer.split(both, layer.self_attn.v_proj, c.num_kv_heads)
-            a = attend(q, cache.keys[i][:, :, :total], cache.values[i][:, :, :total], past + rows, causal=False)
-            h = layer.finish(h, a)
+            q = layer.query(inp, cos[:, :, rows:], sin[:, :, rows:])  # the block's positions
+            keys, values = layer.keys_values(torch.cat((ctx, inp), dim=1), cos, sin)  # (1, KV, rows + B, D)
+            cache.keys[i][:, :, past:total], cache.values[i][:, :, past:total] = keys, values
+            seen = visible(q_pos, k_pos, c.block_causal(i), c.window(i))
+            h = layer.finish(h, attend(q, cache.keys[i][:, :, :total], cache.values[i][:, :, :total], seen))
         cache.length = past + rows  # the block's own keys are dropped: the next block comes with new context
         return self.norm(h[0])
 
@@ -440,13 +500,13 @@ class Eagle3(HeadDrafter):
 
 
 class DFlash(HeadDrafter):
-    """DFlash block drafting: one non-causal pass proposes up to block size - 1 tokens."""
+    """DFlash block drafting: one pass over a block proposes up to block size - 1 tokens."""
 
     name = "dflash"
 
     def propose(self, ids, limit, cfg, generator) -> Draft:
         c = self.head.config
-        size = min(self.gamma, c.block_size - 1)  # proposals of the block; its attention is non-causal, so its
+        size = min(self.gamma, c.block_size - 1)  # proposals of the block; where its attention is non-causal its
         gamma = min(size, limit)  # length changes them: gamma + 1 rows, as vLLM and llama.cpp run it
         if gamma <= 0:
             return Draft([])
@@ -455,7 +515,7 @@ class DFlash(HeadDrafter):
         block = torch.tensor([ids[-1]] + [c.mask_token_id] * size, device=device)
         states = self.head.dflash(features, block, self.cache)  # (B, H)
         self.fed += features.shape[0]
-        logits = self.head.lm_head(states[1 : 1 + gamma])  # (gamma, draft vocabulary)
+        logits = self.head.logits(states[1 : 1 + gamma])  # (gamma, draft vocabulary)
         tokens, probs = [], []
         for row in logits:
             token, q = self._choose(row, cfg, generator)

@@ -8,7 +8,8 @@ proposal). `ttt_forward` runs every anchor t of a batch of sequences at once, fo
 anchor t sits at position t+k, attends causally over the real rows' keys (step 0) and over its own chain's keys of
 steps 1..k (one key per step: a diagonal), and is fed the teacher's token x_{t+k+1} (a draft token is only worth
 anything when it was the target's, so the chain is trained on the target's tokens). The weights are the Head's own
-modules, so what trains is exactly what Head.eagle3 runs; tests/test_forge.py checks both forwards agree.
+modules and its layer code (Head.layer_input, HeadLayer.query / keys_values / finish, Head.output), so what trains is
+exactly what Head.eagle3 runs; only the attention is the trainer's own. tests/test_forge.py checks both agree.
 
 Loss: soft cross-entropy against the target's distribution (its top-k, renormalised over the draft vocabulary), per
 step weighted 0.8^k (SafeAILab), rows whose target argmax lies outside the draft vocabulary left out.
@@ -21,9 +22,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from engine.decoding.heads import Head, rope
+from engine.decoding.heads import Head
 from engine.forge.data import Sequence
 
 STEP_DECAY = 0.8  # loss weight of TTT step k: 0.8^k
@@ -131,54 +131,56 @@ def _from_target(head: Head, target) -> None:
 # --- the train-time-test forward ----------------------------------------------------------------------------------
 
 
-def _split(layer, x: torch.Tensor, proj: nn.Linear, heads: int) -> torch.Tensor:
-    """(B, T, width) -> (B, heads, T, D)."""
-    b, t, _ = x.shape
-    return proj(x).view(b, t, heads, layer.head_dim).transpose(1, 2)
+def _ttt_attend(q, keys0, values0, chain, causal: torch.Tensor) -> torch.Tensor:
+    """Attention of step k's rows (B, heads, T, D) over the real rows' keys (B, KV, T, D) where `causal` (T, T) allows,
+    and over their own chain's keys of steps 1..k (one key per row and step: a diagonal)."""
+    groups = q.shape[1] // keys0.shape[1]
+    scale = q.shape[-1] ** -0.5
+    k0, v0 = keys0.repeat_interleave(groups, 1), values0.repeat_interleave(groups, 1)  # (B, heads, T, D)
+    scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]  # (B, heads, T, T)
+    own = [(kc.repeat_interleave(groups, 1), vc.repeat_interleave(groups, 1)) for kc, vc in chain]
+    scores += [(q * kc).sum(-1, keepdim=True) * scale for kc, _ in own]  # (B, heads, T, 1) each
+    weights = torch.softmax(torch.cat(scores, -1).float(), -1).to(q.dtype)
+    t = keys0.shape[2]
+    attended = weights[..., :t] @ v0
+    for j, (_, vc) in enumerate(own):
+        attended = attended + weights[..., t + j : t + j + 1] * vc
+    return attended
 
 
 def ttt_forward(head: Head, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """Draft-vocabulary logits of every anchor row for TTT steps 0..steps-1: a list of (B, T, Vd).
 
     tokens (B, T + steps) with tokens[:, t] = x_{t+1} (the sequence shifted by one, padded), features (B, T, F) =
-    g_t. Step k's row t reads tokens[:, t + k] and sits at position t + k (see the module docstring)."""
-    c, layer = head.config, head.layers[0]
-    b, t, _ = features.shape
-    scale = layer.head_dim**-0.5
-    groups = c.num_heads // c.num_kv_heads
+    g_t. Step k's row t reads tokens[:, t + k] and sits at position t + k (see the module docstring). The layers'
+    math is the Head's own (Head.layer_input, HeadLayer.query / keys_values / finish, Head.output), which drafting
+    runs too; only the attention differs: every anchor's chain at once instead of one chain over a cache. A layer
+    with a sliding window W lets step k's row t see the real rows above t + k - W, as drafting does."""
+    c = head.config
+    t = features.shape[1]
     x = head.fuse(features)  # (B, T, H)
-    keys0 = values0 = None
-    chain: list[tuple[torch.Tensor, torch.Tensor]] = []  # steps >= 1: (keys, values), (B, KV, T, D)
-    causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+    rows = torch.arange(t, device=x.device)
+    real: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer: step 0's keys and values, (B, KV, T, D)
+    chain: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in head.layers]  # per layer, steps >= 1
     out = []
     for k in range(steps):
         cos, sin = head.rotary(k, t, x.dtype)  # row t at position t + k
         e = head.embed_tokens(tokens[:, k : k + t])  # (B, T, H)
-        normed = layer.hidden_norm(x)
-        residual = normed if c.norm_before_residual else x
-        inp = torch.cat((layer.input_layernorm(e), normed), -1)  # (B, T, 2H)
-        q = rope(_split(layer, inp, layer.self_attn.q_proj, c.num_heads), cos, sin)
-        key = rope(_split(layer, inp, layer.self_attn.k_proj, c.num_kv_heads), cos, sin)
-        value = _split(layer, inp, layer.self_attn.v_proj, c.num_kv_heads)
-        if k == 0:
-            keys0, values0 = key, value
-        else:
-            chain.append((key, value))
-        k0, v0 = keys0.repeat_interleave(groups, 1), values0.repeat_interleave(groups, 1)  # (B, heads, T, D)
-        scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]  # (B, heads, T, T)
-        own = [(kc.repeat_interleave(groups, 1), vc.repeat_interleave(groups, 1)) for kc, vc in chain]
-        scores += [(q * kc).sum(-1, keepdim=True) * scale for kc, _ in own]  # (B, heads, T, 1) each
-        weights = torch.softmax(torch.cat(scores, -1).float(), -1).to(q.dtype)
-        attended = weights[..., :t] @ v0
-        for j, (_, vc) in enumerate(own):
-            attended = attended + weights[..., t + j : t + j + 1] * vc
-        h = residual + layer.self_attn.o_proj(attended.transpose(1, 2).reshape(b, t, -1))
-        normed2 = layer.post_attention_layernorm(h)
-        m = layer.mlp
-        h = h + m.down_proj(layer.act(m.gate_proj(normed2)) * m.up_proj(normed2))
-        final = head.norm(h)
-        out.append(head.lm_head(final))
-        x = final if c.norm_output else h
+        h = x
+        for i, layer in enumerate(head.layers):
+            residual, inp = head.layer_input(i, e, h)
+            q = layer.query(inp, cos, sin)
+            key, value = layer.keys_values(inp, cos, sin)
+            if k == 0:
+                real.append((key, value))
+            else:
+                chain[i].append((key, value))
+            seen = rows[None, :] <= rows[:, None]
+            if c.window(i):
+                seen = seen & (rows[None, :] > rows[:, None] + k - c.window(i))
+            h = layer.finish(residual, _ttt_attend(q, *real[i], chain[i], seen))
+        x, logits = head.output(h)
+        out.append(logits)
     return out
 
 

@@ -14,6 +14,14 @@ speculators and SafeAILab mean by "layer i" for EAGLE-3 and what speculators' df
 `target_layer_ids` name the layer whose OUTPUT is read, so they are one lower: we add 1 when reading and take it off
 when writing (as vLLM and speculators' converter do).
 
+Fields that change the math are read the way vLLM 0.32 reads them (`vllm/transformers_utils/configs/speculators/
+algos.py`, `model_executor/models/llama_eagle3.py`, `qwen3_dflash.py`): a speculators config is its
+`transformer_layer_config` plus the algorithm's own fields, so `norm_before_residual` absent means True there and False
+in SafeAILab's layout; a layer's sliding window comes from `layer_types` and `sliding_window` (DFlash also `use_swa`,
+`swa_window_size`); a DFlash layer's block is causal by `is_causal`, else `dflash_config.causal` (speculators:
+`not sliding_window_non_causal`, absent = non-causal), else by being a sliding layer. A field SpecArena cannot honour is
+refused by name before any weights load (`HeadConfig.refused`), never ignored.
+
 Safety as for models (engine.models.loading): safetensors only unless SPECARENA_ALLOW_PICKLE=1; heads never run
 remote code: the math is ours (engine.decoding.heads), the folder only gives weights and a config.
 """
@@ -82,29 +90,136 @@ def layout_of(raw: dict) -> str:
     )  # fmt: skip
 
 
-def _rope_fields(layer: dict) -> dict:
-    return {k: layer[k] for k in ("rope_theta", "rope_scaling", "rope_parameters") if layer.get(k) is not None}
+def _rope_fields(layer: dict, kind: str, layout: str) -> dict:
+    """The layer's rope fields; none at all is vLLM's default base: 10000, but 1e6 for a speculators DFlash head
+    (qwen3_dflash's set_default_rope_theta; a z-lab config is a Qwen3Config, whose default is 10000)."""
+    rope = {k: layer[k] for k in ("rope_theta", "rope_scaling", "rope_parameters") if layer.get(k) is not None}
+    theta = rope.get("rope_theta") or (rope.get("rope_parameters") or {}).get("rope_theta")
+    if not theta and layout == "speculators-dflash":
+        rope["rope_theta"] = 1e6
+    return rope
+
+
+def _rope_refused(layer: dict) -> list[str]:
+    """Rope settings whose frequencies are not fixed per position (they change with the text's length) or rotate
+    part of a head only: SpecArena's heads rotate whole heads with fixed frequencies."""
+    out = []
+    for name in ("rope_scaling", "rope_parameters"):
+        params = layer.get(name) or {}
+        if not isinstance(params, dict):
+            continue
+        if "sliding_attention" in params or "full_attention" in params:
+            out.append(f"`{name}` per layer type")
+        kind = params.get("rope_type") or params.get("type") or "default"
+        if kind in ("dynamic", "longrope", "mrope") or "mrope_section" in params:
+            out.append(f"`{name}` of type {kind!r}")
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            out.append(f"`{name}.partial_rotary_factor` {params['partial_rotary_factor']}")
+    if layer.get("partial_rotary_factor", 1.0) not in (None, 1.0):
+        out.append(f"`partial_rotary_factor` {layer['partial_rotary_factor']}")
+    if layer.get("is_neox_style") is False:
+        out.append("`is_neox_style: false`")
+    return out
+
+
+def _layer_types(view: dict, layers: int) -> list[str] | None:
+    """Each layer's attention type: `layer_types`, or for a Qwen3-style config with `use_sliding_window` the layers
+    from `max_window_layers` on (transformers' rule, which builds the config vLLM reads); None where neither says."""
+    types = view.get("layer_types")
+    if types:
+        return list(types)[:layers] + ["full_attention"] * max(0, layers - len(types))
+    if view.get("use_sliding_window") and view.get("sliding_window"):
+        first = view.get("max_window_layers", 28)
+        return ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    return None
+
+
+def _attention(view: dict, kind: str, layers: int) -> tuple[tuple[int, ...], tuple[bool, ...], list[str]]:
+    """Per layer: the sliding window (0: none) and, for DFlash, whether the block is causal, as vLLM resolves them
+    (llama_eagle3 / qwen3_eagle3: `layer_types` + `sliding_window`; qwen3_dflash: `_resolve_layer_attention` and
+    `_dflash_layer_causal`)."""
+    types, refused = _layer_types(view, layers), []
+    window = view.get("sliding_window") or 0
+    sliding = [t == "sliding_attention" for t in types] if types else [False] * layers
+    if kind == "eagle3":
+        return tuple(window if s else 0 for s in sliding), (), refused
+    dflash = view.get("dflash_config") or {}
+    use_swa = bool(dflash.get("use_swa"))
+    if types is None or (use_swa and not any(sliding)):
+        sliding = [use_swa] * layers
+    window = dflash.get("swa_window_size") or window
+    if any(sliding) and not window:
+        refused.append("sliding-window layers without a `sliding_window` (or `dflash_config.swa_window_size`)")
+    if view.get("is_causal") is not None:
+        causal = [bool(view["is_causal"])] * layers
+    elif dflash.get("causal") is not None:
+        causal = [bool(dflash["causal"])] * layers
+    else:
+        causal = [t == "sliding_attention" for t in types] if types else [False] * layers
+    return tuple(window if s else 0 for s in sliding), tuple(causal), refused
+
+
+def _vllm_view(raw: dict, layout: str) -> dict:
+    """The config as vLLM builds it: a speculators config's `transformer_layer_config` with the algorithm's fields
+    over it (configs/speculators/algos.py); another layout's config as it stands."""
+    if not layout.startswith("speculators"):
+        return raw
+    view = dict(raw.get("transformer_layer_config") or {})
+    if layout == "speculators-dflash":
+        view["dflash_config"] = {"mask_token_id": raw.get("mask_token_id"),
+                                 "sample_from_anchor": raw.get("sample_from_anchor", False),
+                                 "causal": not raw.get("sliding_window_non_causal", True)}  # fmt: skip
+    return view
+
+
+def _refused(raw: dict, view: dict, kind: str, layout: str) -> list[str]:
+    """The fields of this config that change the head's math in a way SpecArena does not run, by name."""
+    from transformers.activations import ACT2FN
+
+    out = _rope_refused(view)
+    act = view.get("hidden_act", "silu")
+    if act not in ACT2FN:
+        out.append(f"`hidden_act` {act!r}")
+    eagle = view.get("eagle_config") or {}
+    if eagle.get("use_aux_hidden_state", view.get("use_aux_hidden_state", True)) is False:
+        out.append("`use_aux_hidden_state: false`")
+    if layout.startswith("speculators") and view.get("model_type", "llama") not in ("llama", "qwen3"):
+        out.append(f"`transformer_layer_config.model_type` {view.get('model_type')!r} (vLLM runs llama and qwen3)")
+    if kind == "dflash":
+        dflash = view.get("dflash_config") or {}
+        if dflash.get("sample_from_anchor") or raw.get("sample_from_anchor"):
+            out.append("`sample_from_anchor: true` (vLLM refuses it too)")
+        if dflash.get("attention_value_scale") is not None:
+            out.append("`dflash_config.attention_value_scale`")
+        if dflash.get("attention_sink_bias") or view.get("add_swa_attention_sink_bias"):
+            out.append("attention sink biases (`attention_sink_bias`)")
+        if dflash.get("mask_token_id", raw.get("mask_token_id")) is None:
+            out.append("no `mask_token_id` (the token that fills the block)")
+    return out
 
 
 def head_config(raw: dict, target_config) -> HeadConfig:
     """A head's config.json read against its target's config (the default features depend on its layer count)."""
     layout = layout_of(raw)
-    layer = raw.get("transformer_layer_config", raw) if layout.startswith("speculators") else raw
+    view = _vllm_view(raw, layout)
+    layer = view
     text = target_config.get_text_config()
     target_layers = text.num_hidden_layers
     hidden, heads = layer["hidden_size"], layer["num_attention_heads"]
     kind = "dflash" if "dflash" in layout else "eagle3"
     dflash = raw.get("dflash_config") or {}
+    eagle = raw.get("eagle_config") or {}
     if layout == "speculators-eagle3":
         layers = raw.get("eagle_aux_hidden_state_layer_ids") or eagle3_layers(target_layers)
     elif layout == "eagle3-original":
-        nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        layers = nested or eagle3_layers(target_layers)
+        layers = eagle.get("eagle_aux_hidden_state_layer_ids") or eagle3_layers(target_layers)
     elif layout == "dflash":
         ids = dflash.get("target_layer_ids")
         layers = [i + 1 for i in ids] if ids else dflash_layers(target_layers, layer["num_hidden_layers"])
     else:
         layers = raw.get("aux_hidden_state_layer_ids") or dflash_layers(target_layers, layer["num_hidden_layers"])
+    windows, causal, refused = _attention(view, kind, layer["num_hidden_layers"])
+    mask_token = raw.get("mask_token_id", dflash.get("mask_token_id"))
     return HeadConfig(
         kind=kind, hidden_size=hidden, num_layers=layer["num_hidden_layers"], num_heads=heads,
         num_kv_heads=layer.get("num_key_value_heads") or heads,
@@ -112,20 +227,30 @@ def head_config(raw: dict, target_config) -> HeadConfig:
         rms_norm_eps=layer.get("rms_norm_eps", 1e-6), vocab_size=layer.get("vocab_size") or text.vocab_size,
         layers=tuple(int(i) for i in layers), draft_vocab_size=raw.get("draft_vocab_size") or 0,
         target_hidden_size=raw.get("target_hidden_size") or 0, attention_bias=bool(layer.get("attention_bias")),
-        mlp_bias=bool(layer.get("mlp_bias")), hidden_act=layer.get("hidden_act", "silu"), rope=_rope_fields(layer),
-        max_position_embeddings=layer.get("max_position_embeddings", 2048),
-        # vLLM reads an absent flag as True for speculators heads, SafeAILab's code has no such option
+        mlp_bias=bool(layer.get("mlp_bias")), hidden_act=layer.get("hidden_act", "silu"),
+        rope=_rope_fields(layer, kind, layout), max_position_embeddings=layer.get("max_position_embeddings", 2048),
+        # absent: vLLM's speculators adapter (update_eagle3) says True, its llama_eagle3 (SafeAILab's layout) False
         norm_before_residual=bool(raw.get("norm_before_residual", layout == "speculators-eagle3")),
-        norm_before_fc=bool(raw.get("norm_before_fc")), fc_norm=bool(raw.get("fc_norm")),
+        norm_before_fc=bool(eagle.get("norm_before_fc", raw.get("norm_before_fc"))), fc_norm=bool(raw.get("fc_norm")),
         norm_output=bool(raw.get("norm_output")), qk_norm=layer.get("model_type", "qwen3" if kind == "dflash"
                                                                    else "llama") in ("qwen3", "qwen3_moe"),
+        windows=windows, causal=causal, logit_scale=float(view.get("logit_scale") or 1.0),
         block_size=int(raw.get("block_size") or dflash.get("block_size") or 0),
-        mask_token_id=int(raw.get("mask_token_id") or dflash.get("mask_token_id") or 0),
+        mask_token_id=int(mask_token or 0),
         verifier=((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path") or "",
         proposed_gamma=int(next(iter((raw.get("speculators_config") or {}).get("proposal_methods") or []),
                                 {}).get("speculative_tokens") or 0),
-        layout=layout,
+        layout=layout, refused=tuple(refused + _refused(raw, view, kind, layout)),
+        note=_disagreement(raw, layout, windows),
     )  # fmt: skip
+
+
+def _disagreement(raw: dict, layout: str, windows: tuple[int, ...]) -> str:
+    """Where speculators' own forward and vLLM run this head differently, what we follow."""
+    if layout == "speculators-dflash" and not raw.get("sliding_window_non_causal", True) and not all(windows):
+        return ("its full-attention layers run the block causally, as vLLM 0.32 does (sliding_window_non_causal is "
+                "false); speculators' own forward runs them non-causally")  # fmt: skip
+    return ""
 
 
 def check(c: HeadConfig, target_config) -> list[str]:
@@ -147,7 +272,14 @@ def check(c: HeadConfig, target_config) -> list[str]:
         problems.append("the DFlash head's config has no block_size of 2 or more.")
     if c.kind == "dflash" and c.hidden_size != text.hidden_size:
         problems.append("a DFlash head's hidden size must equal the target's (it uses the target's embedding).")
+    if c.refused:
+        problems.append(f"its config asks for what SpecArena does not run: {', '.join(c.refused)}.")
     return problems
+
+
+def _folder_refused(folder: Path) -> list[str]:
+    """Files beside the weights that would change the math (vLLM reads a DFlash head's mask_embedding.pt)."""
+    return ["a separate mask embedding (`mask_embedding.pt`)"] if (folder / "mask_embedding.pt").exists() else []
 
 
 def doctor_checks(spec: str, target_spec: str, target_config, gamma: int | None = None,
@@ -158,8 +290,9 @@ def doctor_checks(spec: str, target_spec: str, target_config, gamma: int | None 
     source = resolve(spec)
     folder = Path(hub_folder(source, weights=False) if source.repo_id else source.location)
     c = head_config(read_config(folder), target_config)
+    c.refused += tuple(_folder_refused(folder))
     problems = check(c, target_config)
-    what = f"{c.kind} head ({c.layout} layout) reading target layers {list(c.layers)}"
+    what = f"{c.kind} head ({c.layout} layout) reading target layers {list(c.layers)}, {attention(c)}"
     checks = [("head", "fail" if problems else "ok", " ".join(problems) if problems else what)]
     if c.verifier:
         status = "ok" if _model_name(c.verifier) == _model_name(target_spec) else "warn"
@@ -224,6 +357,7 @@ def load_head(spec: str, target, progress=lambda message: None) -> Head:
     """A head for `target` (a transformers model), on its device and in its dtype, its features checked."""
     folder = head_folder(spec, progress)
     c = head_config(read_config(folder), target.config)
+    c.refused += tuple(_folder_refused(folder))
     problems = check(c, target.config)
     if problems:
         raise UserError(f"head {spec!r} does not fit this target: {problems[0]}", field="draft")
@@ -261,7 +395,11 @@ def build(c: HeadConfig, weights: dict[str, torch.Tensor], target, name: str = "
     if rows != c.vocab_size:  # a reduced vocabulary: d2t holds each draft id's offset to its target id
         if "d2t" not in own:
             raise UserError(f"head {name!r} drafts over {rows} tokens but ships no d2t mapping.", field="draft")
-        head.d2t = (own["d2t"].long() + torch.arange(rows)).to(p.device)
+        ids = own["d2t"].long() + torch.arange(rows)
+        t2d = own.get("t2d")
+        if t2d is not None and (int(t2d.sum()) != rows or not bool(t2d.bool()[ids].all())):
+            raise UserError(f"head {name!r}: its t2d and d2t name different draft vocabularies.", field="draft")
+        head.d2t = ids.to(p.device)
     return head.eval().requires_grad_(False)
 
 
@@ -284,16 +422,41 @@ class LoadedHeads:
 HEADS = LoadedHeads()
 
 
+def own_parameters(head: Head) -> int:
+    """The head's own weights: its layers, fc and norms, and an EAGLE-3 head's LM head (a DFlash head drafts through
+    the target's, unless it ships a reduced one); never the embedding, which is the target's or a copy of it. Each
+    tensor once, however many names it has (a tied target's embedding is its LM head)."""
+    shared = {id(p) for p in head.embed_tokens.parameters()}
+    if head.config.kind == "dflash" and head.d2t is None:
+        shared |= {id(p) for p in head.lm_head.parameters()}
+    params = {id(p): p.numel() for name, p in head.named_parameters(remove_duplicate=False)
+              if not name.startswith(("embed_tokens.", "lm_head.")) and id(p) not in shared}  # fmt: skip
+    if id(getattr(head.lm_head, "weight", None)) not in shared:
+        params[id(head.lm_head)] = head.lm_head.out_features * head.lm_head.in_features  # also a CPU-path linear
+    return sum(params.values())
+
+
+def attention(c) -> str:
+    """How the head's layers attend, in words: windows, and a DFlash block's causality."""
+    windows = sorted({w for w in c.windows if w})
+    where = f"sliding window {', '.join(map(str, windows))}" if windows else "full attention"
+    if len(windows) and not all(c.windows):
+        where = f"{where} on {sum(1 for w in c.windows if w)} of {c.num_layers} layers"
+    if c.kind == "dflash":
+        n = sum(c.causal) if c.causal else 0
+        where += (", causal block" if n == c.num_layers else ", non-causal block" if n == 0
+                  else f", causal block on {n} of {c.num_layers} layers")  # fmt: skip
+    return where + (f" ({c.note})" if c.note else "")
+
+
 def describe(head: Head) -> str:
     c = head.config
-    params = sum(p.numel() for p in head.parameters()) - head.embed_tokens.weight.numel()
     vocab = head.lm_head.out_features
-    if c.kind == "dflash" and vocab == c.vocab_size:
-        params -= vocab * head.lm_head.in_features
-    params += 0 if isinstance(head.lm_head, torch.nn.Linear) else vocab * head.lm_head.in_features
     what = (f"{c.num_layers}-layer EAGLE-3 head, draft vocabulary {vocab}" if c.kind == "eagle3"
             else f"{c.num_layers}-layer DFlash head, blocks of {c.block_size}")  # fmt: skip
-    return f"{what}, reads target layers {list(c.layers)}, {params / 1e6:.1f}M parameters ({c.layout} layout)"
+    params = own_parameters(head)
+    return (f"{what}, reads target layers {list(c.layers)}, {attention(c)}, {params / 1e6:.1f}M parameters "
+            f"({c.layout} layout)")  # fmt: skip
 
 
 def linear_weight(module) -> torch.Tensor:
