@@ -487,7 +487,13 @@ def drafter_for(head: Head, vocab_size: int, gamma: int, adaptive: bool = False,
 
 
 def _layer_dict(c: HeadConfig, model_type: str) -> dict:
-    return {
+    """The layer config; a head with sliding windows says which layers and how wide (one width, as configs hold)."""
+    windows = sorted({w for w in c.windows if w})
+    if len(windows) > 1:
+        raise ValueError(f"a config holds one sliding window, this head has {windows}")
+    attention = {"layer_types": ["sliding_attention" if w else "full_attention" for w in c.windows],
+                 "sliding_window": windows[0], "use_sliding_window": True} if windows else {}  # fmt: skip
+    return attention | {
         "model_type": model_type, "hidden_size": c.hidden_size, "num_hidden_layers": c.num_layers,
         "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
         "intermediate_size": c.intermediate_size, "rms_norm_eps": c.rms_norm_eps, "vocab_size": c.vocab_size,
@@ -547,7 +553,8 @@ def write_head(
     elif layout == "dflash":
         config = _layer_dict(c, "qwen3") | {
             "architectures": ["DFlashDraftModel"], "block_size": c.block_size, "num_target_layers": 0,
-            "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": [i - 1 for i in c.layers]},
+            "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": [i - 1 for i in c.layers],
+                              "causal": _one_causality(c)},
         }  # fmt: skip
     else:
         config = {
@@ -556,12 +563,22 @@ def write_head(
             "draft_vocab_size": draft_vocab, "target_hidden_size": c.target_hidden_size or None,
             "block_size": c.block_size, "mask_token_id": c.mask_token_id,
             "aux_hidden_state_layer_ids": list(c.layers), "speculators_config": speculators,
+            # vLLM runs every layer's block causally iff this is false; speculators' own forward only sliding layers
+            "sliding_window_non_causal": not _one_causality(c), "sample_from_anchor": False,
         }  # fmt: skip
     save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if card:
         (folder / "README.md").write_text(card)
     return folder
+
+
+def _one_causality(c: HeadConfig) -> bool:
+    """A DFlash head's block causality, one for all layers (what both DFlash layouts can state)."""
+    causal = set(c.causal) or {False}
+    if len(causal) > 1:
+        raise ValueError("this head's layers differ in block causality: no DFlash layout states that")
+    return causal.pop()
 
 
 def random_head(target, kind: str = "eagle3", draft_vocab: int = 0, layers: int = 1, block_size: int = 8,

@@ -1,0 +1,182 @@
+"""The reference side of tests/test_heads_reference.py: run inside the speculators 0.9.0 environment (tests/run.sh).
+
+    python speculators_oracle.py JOB.json
+
+JOB names the target folder (the verifier), safetensors files of contexts (`ids.N` token ids) and of the target's
+hidden states for all but their last position (`hidden.N`, transformers' hidden_states), gamma, heads to build with
+speculators' own training path (variant name -> trainer flags) and folders of heads to load with
+`SpeculatorModel.from_pretrained`. Every head, built or loaded, drafts greedily after every context with the
+reference's own modules (embedding, fc and its norms, decoder layers, rotary, final norm, LM head, d2t); the attention
+masks follow vLLM 0.32: a sliding layer lets a row at position p see positions above p - W, a DFlash block is causal
+per layer as the head's config says. Writes, per head, the draft ids and the draft logits of every step
+(`OUT/<name>.safetensors`) and a summary (`OUT/result.json`).
+
+Nothing here imports SpecArena: the reference stands on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from speculators import SpeculatorModel
+from speculators.models.dflash import DFlashDraftModel
+from speculators.models.eagle3 import Eagle3DraftModel
+from speculators.train.cli import create_transformer_layer_config
+from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+torch.set_grad_enabled(False)
+
+
+def build(kind: str, target: str, flags: dict, seed: int):
+    """A head with random weights, built as speculators' trainer builds it (its layer config, its vocabulary
+    mapping, from_training_args); norms made non-trivial so that every norm flag matters."""
+    torch.manual_seed(seed)
+    layer_config = create_transformer_layer_config(
+        target, flags.get("num_layers", 1), "llama" if kind == "eagle3" else "qwen3", None,
+        flags.get("sliding_window", 2048), flags.get("full_attention_indices", []),
+    )  # fmt: skip
+    vocab = layer_config.vocab_size
+    draft_vocab = flags.get("draft_vocab_size", vocab)
+    t2d = d2t = None
+    if draft_vocab != vocab:
+        counts = {i: int(c) for i, c in enumerate(torch.randint(0, 1000, (vocab,)).tolist())}
+        d2t, t2d = build_vocab_mappings_from_distribution(counts, draft_vocab, vocab)
+    common = dict(verifier_name_or_path=target, draft_vocab_size=draft_vocab, draft_attn_impl="eager",
+                  target_layer_ids=flags.get("target_layer_ids"))  # fmt: skip
+    if kind == "eagle3":
+        model = Eagle3DraftModel.from_training_args(
+            layer_config, t2d=t2d, d2t=d2t, ttt_steps=3, norm_before_residual=flags.get("norm_before_residual", True),
+            norm_before_fc=flags.get("norm_before_fc", True), norm_output=flags.get("norm_output", True), **common,
+        )  # fmt: skip
+    else:
+        model = DFlashDraftModel.from_training_args(
+            layer_config, t2d=t2d, d2t=d2t, block_size=flags.get("block_size", 8),
+            mask_token_id=flags.get("mask_token_id", 3),
+            sliding_window_non_causal=flags.get("sliding_window_non_causal", False), **common,
+        )  # fmt: skip
+    for name, p in model.named_parameters():
+        if "norm" in name and not name.startswith("verifier_"):
+            p.copy_(1.0 + 0.3 * torch.randn_like(p))
+    return model.float().eval()
+
+
+def load(folder: str):
+    model = SpeculatorModel.from_pretrained(folder)
+    model.load_verifier_weights()
+    model.config.transformer_layer_config._attn_implementation = "eager"
+    return model.float().eval()
+
+
+def _mask(allowed: torch.Tensor) -> torch.Tensor:
+    """A boolean (rows, keys) mask as the additive float mask eager attention takes, (1, 1, rows, keys)."""
+    return torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))[None, None]
+
+
+def _window(model, layer: int) -> int:
+    config = model.config.transformer_layer_config
+    types = getattr(config, "layer_types", None) or []
+    sliding = layer < len(types) and types[layer] == "sliding_attention"
+    return (getattr(config, "sliding_window", None) or 0) if sliding else 0
+
+
+def _target_ids(model, draft: torch.Tensor) -> torch.Tensor:
+    return draft if model.d2t is None else draft + model.d2t[draft]
+
+
+def eagle3_draft(model, ids: torch.Tensor, features: torch.Tensor, gamma: int):
+    """Greedy chain of `gamma` drafts after ids: row t pairs token t+1 with the fused feature of position t; each
+    further row pairs the last draft with the previous row's state, one position on. Every pass recomputes all rows."""
+    x = features[None]
+    if model.input_norm is not None:
+        x = model.input_norm(x)
+    if model.fc_norm is not None:
+        x = torch.cat([n(c) for n, c in zip(model.fc_norm, x.chunk(len(model.fc_norm), -1))], -1)
+    x = model.fc(x)[0]  # (n, H)
+    n = x.shape[0]
+    tokens, drafts, logits_out, chain_states = list(ids[1:].tolist()), [], [], []
+    for k in range(gamma):
+        rows = n + k
+        positions = torch.arange(rows)
+        positions[n:] = torch.arange(n, n + k)  # chain row j sits at position n - 1 + j
+        hidden = torch.cat([x] + chain_states, 0)[None] if chain_states else x[None]
+        h = torch.cat((model.embed_tokens(torch.tensor(tokens + drafts[: k])[None]), hidden), -1)
+        position_ids = positions[None]
+        cos_sin = model.rotary_emb(h, position_ids)
+        for i, layer in enumerate(model.layers):
+            allowed = positions[None, :] <= positions[:, None]
+            allowed[n:, n:] = torch.tril(torch.ones(k, k, dtype=torch.bool))  # a chain sees its own earlier rows
+            allowed[:n, n:] = False
+            if _window(model, i):
+                allowed &= positions[None, :] > positions[:, None] - _window(model, i)
+            h = layer(h, attention_mask=_mask(allowed), position_ids=position_ids, position_embeddings=cos_sin)
+        normed = model.norm(h)
+        logits = model.lm_head(normed)[0, -1]
+        state = (normed if model.config.norm_output else h)[0, -1:]
+        draft = int(_target_ids(model, logits.argmax()))
+        drafts.append(draft)
+        logits_out.append(logits)
+        chain_states.append(state)
+    return drafts, torch.stack(logits_out)
+
+
+def dflash_draft(model, ids: torch.Tensor, features: torch.Tensor, gamma: int):
+    """One block [last token, mask x gamma] after the context: gamma drafts from its mask rows."""
+    config = model.config
+    context = model.hidden_norm(model.fc(features[None]))  # (1, n, H)
+    n = context.shape[1]
+    block = torch.tensor([int(ids[-1])] + [config.mask_token_id] * gamma)[None]
+    h = model.embed_tokens(block)
+    positions = torch.arange(n + gamma + 1)
+    cos_sin = model.rotary_emb(context, positions[None])
+    q_pos = positions[n:]
+    # vLLM 0.32: causal = not sliding_window_non_causal on every layer (speculators' forward: sliding layers only)
+    causal = not config.sliding_window_non_causal
+    for i, layer in enumerate(model.layers):
+        allowed = torch.ones(gamma + 1, n + gamma + 1, dtype=torch.bool)
+        if causal:
+            allowed &= positions[None, :] <= q_pos[:, None]
+        if _window(model, i):
+            allowed &= positions[None, :] > q_pos[:, None] - _window(model, i)
+        h = layer(hidden_states=h, target_hidden=context, attention_mask=_mask(allowed), position_ids=positions[None],
+                  position_embeddings=cos_sin)  # fmt: skip
+    logits = model.lm_head(model.norm(h))[0, 1:]  # (gamma, Vd)
+    return [int(_target_ids(model, row.argmax())) for row in logits], logits
+
+
+def main(job_path: str) -> None:
+    job = json.loads(Path(job_path).read_text())
+    out = Path(job["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    cases, hidden = load_file(job["cases"]), load_file(job["hidden"])
+    count = sum(1 for k in cases if k.startswith("ids."))
+    heads = {}
+    for name, spec in job.get("build", {}).items():
+        model = build(spec["kind"], job["target"], spec["flags"], spec.get("seed", 0))
+        model.save_pretrained(str(out / "heads" / name))
+        heads[name] = (spec["kind"], load(str(out / "heads" / name)))  # what a user of the saved head gets
+    for name, folder in job.get("load", {}).items():
+        model = load(folder)
+        heads[name] = ("eagle3" if isinstance(model, Eagle3DraftModel) else "dflash", model)
+    summary = {}
+    for name, (kind, model) in heads.items():
+        draft = eagle3_draft if kind == "eagle3" else dflash_draft
+        tensors, drafts = {}, []
+        layers = (model.config.eagle_aux_hidden_state_layer_ids if kind == "eagle3"
+                  else model.config.aux_hidden_state_layer_ids)  # fmt: skip
+        for c in range(count):
+            ids = cases[f"ids.{c}"]
+            features = torch.cat([hidden[f"hidden.{c}"][i] for i in layers], -1).float()  # (n - 1, len(layers) x H)
+            tokens, logits = draft(model, ids, features, job["gamma"])
+            drafts.append(tokens)
+            tensors[f"logits.{c}"] = logits.contiguous()
+        save_file(tensors, str(out / f"{name}.safetensors"))
+        summary[name] = {"drafts": drafts, "config": json.loads(model.config.to_json_string())}
+    (out / "result.json").write_text(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

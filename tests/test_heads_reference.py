@@ -1,0 +1,168 @@
+"""Heads against the format's own reference: speculators 0.9.0, in an environment of its own (tests/run.sh makes it
+and sets SPECARENA_SPECULATORS_PYTHON). tests/reference/speculators_oracle.py builds heads there with the reference's
+training path (random weights in a tiny Llama target's shapes), saves them, and drafts greedily with its own modules
+after the same contexts as we do; it also loads heads SpecArena writes. For every head and every context our drafter's
+proposals equal the reference's and the draft logits agree to float32 rounding; the contexts include one past the
+trainer's 2048-token sliding window.
+
+Variants: EAGLE-3 as the trainer makes it by default (every layer sliding at 2048, norm_before_residual,
+norm_before_fc, norm_output, reduced draft vocabulary), EAGLE-3 with full attention and no norm flags, DFlash as the
+trainer makes it by default (sliding at 2048, causal block), DFlash with full attention and a non-causal block; and an
+EAGLE-3 and a DFlash head written by SpecArena.
+
+In CI (CI=true) a missing reference environment fails the module; elsewhere it is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.decoding.sampling import SamplingConfig
+from engine.models.heads import drafter_for, load_head, random_head, write_head
+from tests.conftest import byte_tokenizer, tiny_llama
+
+DEPTH, GAMMA, WINDOW = 8, 3, 2048
+ORACLE = Path(__file__).parent / "reference" / "speculators_oracle.py"
+GREEDY = SamplingConfig(temperature=0.0)
+BUILT = {
+    "eagle3-trainer-default": {"kind": "eagle3", "seed": 1, "flags": {"draft_vocab_size": 200}},
+    "eagle3-full-attention": {"kind": "eagle3", "seed": 2, "flags": {
+        "full_attention_indices": [0], "norm_before_residual": False, "norm_before_fc": False,
+        "norm_output": False}},
+    "dflash-trainer-default": {"kind": "dflash", "seed": 3, "flags": {"num_layers": 2, "mask_token_id": 3,
+                                                                          "target_layer_ids": [2, 5]}},
+    "dflash-full-non-causal": {"kind": "dflash", "seed": 4, "flags": {
+        "num_layers": 2, "mask_token_id": 3, "full_attention_indices": [0, 1], "sliding_window_non_causal": True,
+        "target_layer_ids": [3, 6]}},
+}  # fmt: skip
+
+
+def reference_python() -> str:
+    """The reference environment's python; in CI its absence fails, elsewhere it skips with the reason."""
+    found = os.environ.get("SPECARENA_SPECULATORS_PYTHON") or str(
+        Path.home() / ".cache/specarena/speculators-env/bin/python")  # fmt: skip
+    probe = [found, "-c", "import speculators"]
+    if not Path(found).is_file() or subprocess.run(probe, capture_output=True).returncode:
+        why = f"the speculators reference environment is missing ({found}): tests/run.sh makes it"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+    return found
+
+
+def contexts(target) -> list[list[int]]:
+    """Greedy continuations of short prompts, cut after every other token, and a 2,100-token text cut past the
+    2048-token window."""
+    torch.manual_seed(11)
+    out = []
+    for prompt in ([5, 17, 42, 9], [100, 101, 102, 100, 101], list(range(30, 60))):
+        full = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0].tolist()
+        out += [full[:n] for n in range(len(prompt) + 1, len(full) + 1, 2)]
+    long = torch.randint(4, 384, (2100,)).tolist()
+    out += [long[:n] for n in (2040, 2049, 2060, 2100)]
+    return out
+
+
+def hidden_states(target, ids: list[int]) -> torch.Tensor:
+    """Every layer's states (transformers' hidden_states) for all but the last token: (L + 1, n - 1, H)."""
+    with torch.inference_mode():
+        out = target(torch.tensor([ids[:-1]]), output_hidden_states=True)
+    return torch.stack(out.hidden_states)[:, 0].float().contiguous()
+
+
+@pytest.fixture(scope="module")
+def oracle(tmp_path_factory):
+    python = reference_python()
+    root = tmp_path_factory.mktemp("reference")
+    target = tiny_llama(layers=DEPTH)
+    target.save_pretrained(root / "target")
+    byte_tokenizer().save_pretrained(root / "target")
+    cases = contexts(target)
+    states = [hidden_states(target, ids) for ids in cases]
+    ours = {"ours-eagle3": random_head(target, "eagle3", draft_vocab=150, norm_before_residual=True,
+                                       norm_before_fc=True, seed=5),
+            "ours-dflash": random_head(target, "dflash", layers=2, block_size=8, mask_token_id=3, seed=6)}  # fmt: skip
+    for head in ours.values():
+        with torch.no_grad():
+            for name, p in head.named_parameters():
+                if "norm" in name:
+                    p.copy_(1.0 + 0.3 * torch.randn_like(p))
+    verifier = str(root / "target")
+    written = {name: str(write_head(head, root / name, "speculators-" + head.config.kind, verifier=verifier))
+               for name, head in ours.items()}  # fmt: skip
+    tensors = {f"ids.{i}": torch.tensor(ids) for i, ids in enumerate(cases)}
+    save_file(tensors, str(root / "cases.safetensors"))
+    save_file({f"hidden.{i}": s for i, s in enumerate(states)}, str(root / "hidden.safetensors"))
+    job = {"target": str(root / "target"), "cases": str(root / "cases.safetensors"),
+           "hidden": str(root / "hidden.safetensors"), "gamma": GAMMA, "out": str(root / "out"), "build": BUILT,
+           "load": written}  # fmt: skip
+    (root / "job.json").write_text(json.dumps(job))
+    run = subprocess.run([python, str(ORACLE), str(root / "job.json")], capture_output=True, text=True, timeout=1800)
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads((root / "out" / "result.json").read_text())
+    heads = {name: str(root / "out" / "heads" / name) for name in BUILT} | written
+    return {"target": target, "cases": cases, "states": states, "result": result, "heads": heads,
+            "out": root / "out"}  # fmt: skip
+
+
+def our_drafts(head, vocab: int, ids: list[int], states: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """Our drafter's greedy proposal after `ids`, handed the target features it would be, and its draft logits."""
+    drafter = drafter_for(head, vocab, GAMMA)
+    seen = []
+    hook = head.lm_head.register_forward_hook(lambda module, args, out: seen.append(out))
+    try:
+        with torch.inference_mode():
+            drafter.see(torch.cat([states[i] for i in drafter.layers], -1))
+            tokens = drafter.propose(ids, GAMMA, GREEDY, torch.Generator()).tokens
+    finally:
+        hook.remove()
+    rows = [seen[0][-1]] + [s[-1] for s in seen[1:]] if head.config.kind == "eagle3" else list(seen[0])
+    return tokens, torch.stack(rows).float() * head.config.logit_scale
+
+
+def agreement(oracle, name: str) -> tuple[int, int, float]:
+    """(steps whose drafts equal the reference's, steps compared, max |logit difference|) for one head."""
+    target = oracle["target"]
+    head = load_head(oracle["heads"][name], target)
+    logits = load_file(str(oracle["out"] / f"{name}.safetensors"))
+    agree, worst = 0, 0.0
+    for i, ids in enumerate(oracle["cases"]):
+        tokens, ours = our_drafts(head, target.config.vocab_size, ids, oracle["states"][i])
+        agree += tokens == oracle["result"][name]["drafts"][i]
+        worst = max(worst, float((ours - logits[f"logits.{i}"]).abs().max()))
+    print(f"{name}: {agree}/{len(oracle['cases'])} steps agree, max logit difference {worst:.2e}", file=sys.stderr)
+    return agree, len(oracle["cases"]), worst
+
+
+@pytest.mark.parametrize("name", list(BUILT))
+def test_a_head_the_reference_builds_drafts_here_what_it_drafts_there(oracle, name):
+    agree, steps, worst = agreement(oracle, name)
+    assert agree == steps and worst < 1e-4, (name, agree, steps, worst)
+
+
+@pytest.mark.parametrize("name", ["ours-eagle3", "ours-dflash"])
+def test_a_head_specarena_writes_loads_in_the_reference_and_drafts_the_same(oracle, name):
+    agree, steps, worst = agreement(oracle, name)
+    assert agree == steps and worst < 1e-4, (name, agree, steps, worst)
+
+
+def test_the_reference_heads_are_read_as_the_reference_made_them(oracle):
+    """What the trainer's defaults mean here: sliding windows of 2048 on every layer, the norm flags, a causal
+    DFlash block; full attention and a non-causal block where the trainer was told so."""
+    target = oracle["target"]
+    c = {name: load_head(oracle["heads"][name], target).config for name in BUILT}
+    e = c["eagle3-trainer-default"]
+    assert e.windows == (WINDOW,) and e.norm_before_residual and e.norm_before_fc and e.norm_output
+    assert c["eagle3-full-attention"].windows == (0,) and not c["eagle3-full-attention"].norm_before_residual
+    d, full = c["dflash-trainer-default"], c["dflash-full-non-causal"]
+    assert d.windows == (WINDOW, WINDOW) and d.causal == (True, True)
+    assert full.windows == (0, 0) and full.causal == (False, False)
+    assert len(oracle["cases"][-1]) - 1 > WINDOW  # the last contexts reach past the window
