@@ -313,3 +313,148 @@ def test_the_doctor_knows_the_bundled_model_under_each_of_its_names(target, tmp_
     found, _ = doctor_checks(str(folder), "meta-llama/Llama-3.2-1B", target.config)
     verifier = next(f for f in found if f[0] == "verifier")
     assert verifier[1] == "warn" and "expect lower acceptance" in verifier[2]
+
+
+def _with_config(folder: Path, **changes) -> Path:
+    raw = json.loads((folder / "config.json").read_text())
+    for key, value in changes.items():
+        if key == "layer":
+            raw["transformer_layer_config"] |= value
+        else:
+            raw[key] = value
+    (folder / "config.json").write_text(json.dumps(raw))
+    return folder
+
+
+def test_norm_before_residual_absent_is_read_as_vllm_reads_each_layout():
+    """vLLM's speculators adapter (update_eagle3) makes an absent flag True; its llama_eagle3, which runs SafeAILab's
+    layout, False."""
+    config = tiny_llama(layers=DEPTH).config
+    layer = {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 128}
+    speculators = {"speculators_model_type": "eagle3", "transformer_layer_config": layer}
+    assert head_config(speculators, config).norm_before_residual
+    assert not head_config(layer | {"draft_vocab_size": 100}, config).norm_before_residual
+
+
+def test_dflash_block_causality_and_windows_are_resolved_as_vllm_resolves_them():
+    """qwen3_dflash: `is_causal`, else `dflash_config.causal` (speculators: not sliding_window_non_causal, absent =
+    non-causal), else a sliding layer is causal; `use_swa` makes every layer sliding."""
+    config = tiny_llama(layers=DEPTH).config
+    layer = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+             "model_type": "qwen3"}  # fmt: skip
+    sliding = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 16}
+    spec = {"speculators_model_type": "dflash", "block_size": 8, "mask_token_id": 3, "transformer_layer_config": layer}
+    zlab = layer | {"block_size": 8, "dflash_config": {"mask_token_id": 3, "target_layer_ids": [1, 3]}}
+    cases = [
+        (spec, (False, False), (0, 0), ""),
+        (spec | {"sliding_window_non_causal": True}, (False, False), (0, 0), ""),
+        (spec | {"sliding_window_non_causal": False}, (True, True), (0, 0), "as vLLM 0.32 does"),
+        (spec | {"sliding_window_non_causal": False, "transformer_layer_config": layer | sliding}, (True, True),
+         (16, 0), "as vLLM 0.32 does"),
+        (zlab, (False, False), (0, 0), ""),
+        (zlab | sliding, (True, False), (16, 0), ""),
+        (zlab | sliding | {"is_causal": False}, (False, False), (16, 0), ""),
+        (zlab | {"dflash_config": zlab["dflash_config"] | {"use_swa": True, "swa_window_size": 32}}, (False, False),
+         (32, 32), ""),
+    ]  # fmt: skip
+    for raw, causal, windows, note in cases:
+        c = head_config(raw, config)
+        assert (c.causal, c.windows) == (causal, windows) and note in c.note and not c.refused, raw
+
+
+def test_fields_we_cannot_run_are_refused_by_name_before_any_weights_load(target, tmp_path):
+    head = random_head(target, "dflash", layers=2, block_size=6, mask_token_id=5)
+    for change, named in (
+        ({"sample_from_anchor": True}, "sample_from_anchor"),
+        ({"layer": {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}}, "rope_scaling` of type 'dynamic'"),
+        ({"layer": {"partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
+        ({"layer": {"layer_types": ["sliding_attention"] * 2}}, "without a `sliding_window`"),
+        ({"mask_token_id": None}, "mask_token_id"),
+        ({"layer": {"hidden_act": "no-such-act"}}, "hidden_act"),
+    ):  # fmt: skip
+        folder = _with_config(write_head(head, tmp_path / "h", "speculators-dflash"), **change)
+        (folder / "model.safetensors").unlink()  # the refusal comes before the weights are looked for
+        with pytest.raises(UserError, match="does not run: .*" + named.replace("[", r"\[")) as err:
+            load_head(str(folder), target)
+        assert err.value.field == "draft"
+    folder = write_head(head, tmp_path / "m", "dflash")
+    (folder / "mask_embedding.pt").write_bytes(b"")
+    with pytest.raises(UserError, match="mask_embedding.pt"):
+        load_head(str(folder), target)
+
+
+def test_rope_and_logit_scale_are_read(target, tmp_path):
+    """A head's own rope base (speculators' DFlash default 1e6, as vLLM's qwen3_dflash sets it) and vLLM's
+    logit_scale change its drafts' logits."""
+    head = random_head(target, "dflash", layers=2, block_size=6, mask_token_id=5)
+    folder = write_head(head, tmp_path / "d", "speculators-dflash")
+    raw = json.loads((folder / "config.json").read_text())
+    raw["transformer_layer_config"].pop("rope_theta")
+    assert head_config(raw, target.config).rope == {"rope_theta": 1e6}
+    _with_config(folder, layer={"logit_scale": 0.5})
+    back = load_head(str(folder), target)
+    assert back.config.logit_scale == 0.5
+    states = torch.randn(3, 64)
+    torch.testing.assert_close(back.logits(states), 0.5 * back.lm_head(states))
+
+
+def test_a_sliding_window_hides_what_lies_before_it(target):
+    """Past its window a head's drafts no longer depend on the earliest rows' features; with full attention they do."""
+    ids = list(range(10, 50))
+    gen = torch.Generator().manual_seed(0)
+    for window, same in ((8, True), (0, False)):
+        head = random_head(target, "eagle3", seed=3)
+        head.config.windows = (window,)
+        features = torch.randn(len(ids) - 1, head.config.feature_size, generator=gen)
+        drafts = []
+        for early in (features[:20], torch.randn(20, head.config.feature_size, generator=gen)):
+            drafter = drafter_for(head, 384, 3)
+            seen = []
+            hook = head.lm_head.register_forward_hook(lambda m, a, out: seen.append(out[-1]))
+            with torch.inference_mode():
+                drafter.see(torch.cat((early, features[20:])))
+                drafter.propose(ids, 3, GREEDY, torch.Generator())
+            hook.remove()
+            drafts.append(torch.stack(seen))
+        assert torch.allclose(drafts[0], drafts[1], atol=1e-6) == same, window
+
+
+def test_training_runs_the_drafting_layers_for_a_batch_with_windows_and_two_layers(target):
+    """engine.forge.train.ttt_forward and Head.eagle3 share the layer code: for a two-layer head with a sliding
+    window and EAGLE-3.1's post-norm feedback, every sequence of a batch, every anchor and every train-time-test step
+    gives the logits the drafter gives."""
+    from engine.decoding.heads import HeadCache
+    from engine.forge.train import ttt_forward
+
+    head = random_head(target, "eagle3", layers=2, norm_output=True, norm_before_residual=True, seed=9)
+    head.config.windows = (4, 0)
+    c, n, steps = head.config, 12, 3
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 384, (2, n), generator=gen)
+    features = torch.randn(2, n - 1, c.feature_size, generator=gen)
+    shifted = torch.zeros(2, n - 1 + steps, dtype=torch.long)
+    shifted[:, : n - 1] = tokens[:, 1:]
+    with torch.no_grad():
+        trained = ttt_forward(head, shifted, features, steps)
+        for b in range(2):
+            for t in range(n - 1 - steps):
+                cache = HeadCache(2, c.num_kv_heads, c.head_dim, torch.float32, "cpu", 64)
+                state, logits = head.eagle3(tokens[b, 1 : t + 2], head.fuse(features[b, : t + 1]), cache)
+                torch.testing.assert_close(logits[-1], trained[0][b, t], atol=1e-5, rtol=1e-5)
+                for k in range(1, steps):
+                    state, logits = head.eagle3(tokens[b, t + k + 1 : t + k + 2], state[-1:], cache)
+                    torch.testing.assert_close(logits[-1], trained[k][b, t], atol=1e-5, rtol=1e-5)
+
+
+def test_describe_counts_a_dflash_heads_own_weights_once():
+    """A DFlash head drafts through the target's LM head, which a tied target shares with its embedding: the count
+    once gave a negative number of parameters."""
+    from engine.models.heads import describe, own_parameters
+
+    tied = tiny_llama(layers=DEPTH)
+    tied.config.tie_word_embeddings = True
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    head = random_head(tied, "dflash", layers=2, block_size=6, mask_token_id=5)
+    own = sum(p.numel() for name, p in head.named_parameters() if not name.startswith(("embed_tokens.", "lm_head.")))
+    assert own_parameters(head) == own > 0 and f"{own / 1e6:.1f}M parameters" in describe(head)
+    assert "non-causal block" in describe(head)
