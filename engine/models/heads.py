@@ -427,12 +427,10 @@ def own_parameters(head: Head) -> int:
     the target's, unless it ships a reduced one); never the embedding, which is the target's or a copy of it. Each
     tensor once, however many names it has (a tied target's embedding is its LM head)."""
     shared = {id(p) for p in head.embed_tokens.parameters()}
-    if head.config.kind == "dflash" and head.d2t is None:
-        shared |= {id(p) for p in head.lm_head.parameters()}
     params = {id(p): p.numel() for name, p in head.named_parameters(remove_duplicate=False)
               if not name.startswith(("embed_tokens.", "lm_head.")) and id(p) not in shared}  # fmt: skip
-    if id(getattr(head.lm_head, "weight", None)) not in shared:
-        params[id(head.lm_head)] = head.lm_head.out_features * head.lm_head.in_features  # also a CPU-path linear
+    if head.config.kind == "eagle3" or head.d2t is not None:  # its own LM head (also a CPU-path linear)
+        params[id(head.lm_head)] = head.lm_head.out_features * head.lm_head.in_features
     return sum(params.values())
 
 
