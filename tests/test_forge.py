@@ -185,7 +185,8 @@ def test_a_forge_killed_while_making_data_goes_on_where_it_was(model_dirs, tmp_p
     """A run killed between two data batches (no state written) resumes by replaying its plan over the shards on
     disk: nothing is generated twice, what was written stays as it was, and the plan goes on to new batches."""
     from engine.forge.data import Dataset
-    from engine.forge.pipeline import Forge, ForgeConfig, prompt_sets
+    from engine.forge.pipeline import Forge, ForgeConfig
+    from engine.forge.prompts import prompt_sets
 
     cfg = ForgeConfig(target=str(_target(model_dirs)), out=str(tmp_path / "head"), suite=str(_prompts(tmp_path)),
                       minutes=20 / 60, batch_size=16, steps=2, max_new_tokens=16, threads="1", fast="off")  # fmt: skip
@@ -225,7 +226,8 @@ def test_the_trained_draft_length_defaults_to_the_machines(model_dirs, tmp_path)
     """--gamma-max 0 (the default): 2 train-time-test steps on a CPU (its budget buys more updates than positions its
     verify costs never use), 4 on a GPU; out of range refused before anything loads."""
     from engine.errors import UserError
-    from engine.forge.pipeline import Forge, ForgeConfig, prompt_sets
+    from engine.forge.pipeline import Forge, ForgeConfig
+    from engine.forge.prompts import prompt_sets
 
     cfg = ForgeConfig(target=str(_target(model_dirs)), out=str(tmp_path / "head"), suite=str(_prompts(tmp_path)),
                       threads="1", fast="off")  # fmt: skip
@@ -404,7 +406,7 @@ def test_word_problems_never_take_away_more_than_there_is():
 def test_a_held_out_share_of_one_measures_every_prompt_and_trains_on_general_ones():
     from engine.errors import UserError
     from engine.forge import ForgeConfig
-    from engine.forge.pipeline import prompt_sets
+    from engine.forge.prompts import prompt_sets
 
     train, val, held = prompt_sets(ForgeConfig(target="t", out="o", held_out=1.0))
     assert not train.items and not val.items and len(held.items) == 45  # the task suite
@@ -422,7 +424,7 @@ def test_the_forge_runs_on_the_engine_thread_and_a_first_ctrl_c_stops_it(monkeyp
     import signal
     import threading
 
-    from engine.forge import pipeline
+    from engine.forge import foreground, pipeline
     from engine.worker import ENGINE
 
     seen = {}
@@ -435,13 +437,13 @@ def test_the_forge_runs_on_the_engine_thread_and_a_first_ctrl_c_stops_it(monkeyp
         seen["stopped"] = stop.wait(20 if seen["on_engine"] else 0)
         yield pipeline.ForgeEvent("done", "stopped", 1.0, metrics={"result": {"stopped": seen["stopped"]}})
 
-    monkeypatch.setattr(pipeline, "forge_events", fake_events)
+    monkeypatch.setattr(foreground, "forge_events", fake_events)
     events = []
     assert threading.current_thread() is threading.main_thread()
     # as a terminal's Ctrl-C finds it: a test session started as a background job inherits SIGINT ignored
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        summary = pipeline.forge(pipeline.ForgeConfig(target="t", out="o"), events.append)
+        summary = foreground.forge(pipeline.ForgeConfig(target="t", out="o"), events.append)
     finally:
         signal.signal(signal.SIGINT, previous)
     assert seen == {"on_engine": True, "stopped": True} and summary == {"stopped": True}
@@ -454,7 +456,7 @@ def test_a_ctrl_c_while_a_progress_line_prints_stops_the_forge_too(monkeypatch):
     import os
     import signal
 
-    from engine.forge import pipeline
+    from engine.forge import foreground, pipeline
 
     def fake_events(cfg, stop, notify=None):
         yield pipeline.ForgeEvent("train", "working")
@@ -466,11 +468,11 @@ def test_a_ctrl_c_while_a_progress_line_prints_stops_the_forge_too(monkeypatch):
         if event.phase == "train":
             os.kill(os.getpid(), signal.SIGINT)  # handled on this, the main thread, before the next line
 
-    monkeypatch.setattr(pipeline, "forge_events", fake_events)
+    monkeypatch.setattr(foreground, "forge_events", fake_events)
     events = []
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        summary = pipeline.forge(pipeline.ForgeConfig(target="t", out="o"), progress)
+        summary = foreground.forge(pipeline.ForgeConfig(target="t", out="o"), progress)
         assert summary == {"stopped": True} and events == ["train", "stop", "done"]
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
 
@@ -480,7 +482,7 @@ def test_a_ctrl_c_while_a_progress_line_prints_stops_the_forge_too(monkeypatch):
                 os.kill(os.getpid(), signal.SIGINT)
 
         with pytest.raises(KeyboardInterrupt):
-            pipeline.forge(pipeline.ForgeConfig(target="t", out="o"), twice)
+            foreground.forge(pipeline.ForgeConfig(target="t", out="o"), twice)
     finally:
         signal.signal(signal.SIGINT, previous)
 
@@ -721,7 +723,8 @@ def _backing_file(t: torch.Tensor) -> str:
 def test_the_data_a_forge_makes_is_held_as_its_shards_on_disk(model_dirs, tmp_path):
     """What the data phase makes is kept as the shards it wrote, mapped, not as the tensors it generated: every
     sequence's features and labels in the forge's data set lie in a shard file's mapping."""
-    from engine.forge.pipeline import Forge, ForgeConfig, prompt_sets
+    from engine.forge.pipeline import Forge, ForgeConfig
+    from engine.forge.prompts import prompt_sets
 
     folder, prompts = _target(model_dirs), _prompts(tmp_path)
     cfg = ForgeConfig(target=str(folder), out=str(tmp_path / "head"), suite=str(prompts), minutes=6 / 60,
@@ -825,7 +828,8 @@ def test_the_budget_covers_the_whole_job_the_measurement_included():
     phases' seconds, the measurement's among them, and they add up to the budget; the measurement takes as many
     held-out prompts as its share allows (all where the budget is large), and a budget its floors outgrow says by
     how much."""
-    from engine.forge.pipeline import PAYS_SHARE, ForgeConfig, measurement_s, plan_budget
+    from engine.forge.budget import PAYS_SHARE, measurement_s, plan_budget
+    from engine.forge.pipeline import ForgeConfig
 
     cfg = ForgeConfig(target="t", out="o", minutes=15, steps=2, pays_max_new_tokens=64)
     turns = [1] * 16
@@ -910,3 +914,4 @@ def test_no_gamma_is_proposed_past_a_position_never_accepted():
     head["cells"][1]["positions"] = [[40, 20], [20, 6]]
     assert summarise(head, others, predicted_gamma=1)["chain"]["gamma"] == 2
     assert summarise(head, others, 1, acceptance=[0.5, 0.0])["chain"]["gamma"] == 1  # the validation answers' too
+

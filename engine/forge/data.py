@@ -37,7 +37,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
@@ -449,5 +449,3 @@ def batches(prompts: list[tuple[str, list[int]]], size: int, temperatures: tuple
         yield Batch([r[0][1] for r in chunk], [r[0][0] for r in chunk], [r[1] for r in chunk], max_new_tokens,
                     [r[2] for r in chunk])  # fmt: skip
 
-
-Say = Callable[[str], None]

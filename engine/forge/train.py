@@ -243,20 +243,6 @@ def batch_loss(head: Head, batch: dict, steps: int) -> tuple[torch.Tensor, list[
     return total / sum(STEP_DECAY**k for k in range(steps)), stats
 
 
-def chain_acceptance(stats: list[dict]) -> list[float]:
-    """Greedy acceptance per draft position as the loop sees it: step k counts where steps 0..k-1 were all right
-    (a chain breaks at its first miss), over rows where the label exists."""
-    alive = None
-    out = []
-    for s in stats:
-        hit, valid = s["hit_mask"], s["valid"]
-        base = valid if alive is None else (alive & valid)
-        reached = int(base.sum())
-        out.append(int((hit & base).sum()) / reached if reached else 0.0)
-        alive = hit & base
-    return out
-
-
 def expected_length(alphas: list[float]) -> float:
     """Tokens per verify pass of a greedy chain of len(alphas) drafts with per-position acceptance alphas."""
     total, survive = 1.0, 1.0
