@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from engine.errors import UserError
-from engine.forge import BANKS, DATA_DTYPES
+from engine.forge import BANKS, DATA_DTYPES, KINDS
 from engine.settings import BACKENDS, BUNDLED, DRAFTERS, HEADS, STRICT
 
 
@@ -123,15 +123,19 @@ def parser() -> argparse.ArgumentParser:
                            "cache it for the llama.cpp backend (about 10 minutes on 2 cores; once per CPU)")
     build.add_argument("--jobs", type=int, default=None, help="parallel compile jobs (default: all cores)")
 
-    forge = sub.add_parser("forge", help="train an EAGLE-3 head for a target on this machine within a time budget "
-                           "(data from the target itself), in the speculators layout, and measure whether it pays")
+    forge = sub.add_parser("forge", help="train a draft head (EAGLE-3 or DFlash) for a target on this machine "
+                           "within a time budget (data from the target itself), in the speculators layout, and measure "
+                           "whether it pays")
+    forge.add_argument("--kind", choices=KINDS, default="eagle3", help="eagle3 (default): a chain drafted one "
+                       "one-layer step a token; dflash: a block of drafts in one non-causal pass")
+    forge.add_argument("--draft-layers", type=int, default=1, help="dflash: the head's decoder layers (default 1)")
     forge.add_argument("--target", default=BUNDLED, help=f"Hub id, local folder or {BUNDLED} (default)")
     forge.add_argument("--prompts", help="a prompts file (JSON lines, JSON, CSV, text) or a Hub dataset")
     forge.add_argument("--suite", help="task categories (comma-separated; default: all)")
     forge.add_argument("--minutes", type=float, default=15.0, help="the whole budget: loading, data, training, "
                        "export and the final measurement (planned after loading; the plan is printed first)")
-    forge.add_argument("--gamma-max", type=int, default=0, help="train-time-test steps: the longest draft trained "
-                       "and measured (0: 2 on a CPU, 4 on a GPU)")
+    forge.add_argument("--gamma-max", type=int, default=0, help="the longest draft trained and measured: EAGLE-3's "
+                       "train-time-test steps, a DFlash block's drafts (0: 2 on a CPU, 4 on a GPU)")
     forge.add_argument("--out", required=True, help="the head's folder (an existing forge folder resumes)")
     forge.add_argument("--held-out", type=float, default=0.2, help="share of the prompts never trained on, measured "
                        "at the end (1: all of them, the head learns from general prompts alone)")
@@ -576,7 +580,8 @@ def cmd_forge(args) -> int:
                       batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, steps=args.gamma_max,
                       threads=args.threads, pays=not args.no_pays, pays_repeats=args.pays_repeats, init=args.init,
                       data_share=args.data_share, general=not args.no_general, data_dtype=args.data_dtype,
-                      batch_rows=args.batch_rows, bank=args.bank)  # fmt: skip
+                      batch_rows=args.batch_rows, bank=args.bank, kind=args.kind,
+                      draft_layers=args.draft_layers)  # fmt: skip
 
     def show(event) -> None:
         eta = f" [{event.eta_s // 60:.0f}:{event.eta_s % 60:02.0f} left]" if event.eta_s is not None else ""
@@ -650,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in ("bench", "roofline"):  # all of a benchmark's torch work on one thread (engine.worker)
             return ENGINE.call(COMMANDS[args.command], args)
-        # the forge goes to the engine thread itself (engine.forge.pipeline.forge), leaving this one to take a
+        # the forge goes to the engine thread itself (engine.forge.foreground.forge), leaving this one to take a
         # first Ctrl-C as its Stop
         return COMMANDS[args.command](args)
     except UserError as exc:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine.decoding.heads import HeadCache
+from engine.forge import data as D
 from engine.forge import train as T
 from tests.conftest import byte_tokenizer, tiny_llama
 
@@ -915,3 +916,77 @@ def test_no_gamma_is_proposed_past_a_position_never_accepted():
     assert summarise(head, others, predicted_gamma=1)["chain"]["gamma"] == 2
     assert summarise(head, others, 1, acceptance=[0.5, 0.0])["chain"]["gamma"] == 1  # the validation answers' too
 
+
+def test_the_dflash_training_forward_is_the_block_pass():
+    """engine.forge.blocks packs several sequences' blocks into one pass; each block's states equal what the served
+    head computes for that block alone (Head.dflash over the context before its anchor), whatever its length."""
+    import random
+
+    from engine.forge import blocks
+
+    target = tiny_llama(layers=6)
+    head = blocks.start_head(target, torch.arange(0, 384, 2), steps=3, draft_layers=2).eval()
+    c = head.config
+    gen = torch.Generator().manual_seed(2)
+
+    def sequence(n: int, prompt: int) -> D.Sequence:
+        return D.Sequence(torch.randint(2, 384, (n,), generator=gen).tolist(), prompt,
+                          torch.randn(n - 1, c.feature_size, generator=gen), torch.zeros(n - 1, 4, dtype=torch.int32),
+                          torch.zeros(n - 1, 4, dtype=torch.float16))  # fmt: skip
+
+    group = [sequence(15, 5), sequence(9, 3)]
+    t2d = T.to_draft_ids(c.vocab_size, head.d2t)
+    batch = blocks.collate(group, 3, t2d, torch.float32, random.Random(0))
+    with torch.no_grad():
+        states = blocks.block_forward(head, batch)
+        lengths = set()
+        for j in batch["block"].unique().tolist():
+            rows = torch.nonzero(batch["block"] == j)[:, 0]
+            i, a = int(batch["doc"][rows[0]]), int(batch["positions"][rows[0]])
+            s = group[i]
+            block = torch.tensor([s.tokens[a]] + [c.mask_token_id] * (rows.numel() - 1))
+            cache = HeadCache(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, "cpu", 64)
+            torch.testing.assert_close(states[rows], head.dflash(s.features[:a], block, cache), atol=1e-4, rtol=1e-4)
+            lengths.add(rows.numel())
+    assert lengths == {2, 3, 4}  # every served block length up to the longest trained
+    assert len(batch["block"].unique()) == sum(len(blocks.anchors(s)) for s in group)  # every answer position
+
+
+def test_a_forged_dflash_head_states_its_block_loads_and_runs_lossless(model_dirs, tmp_path):
+    """`forge --kind dflash`: the speculators dflash layout with the block's causality stated as trained (every
+    layer full attention, sliding_window_non_causal), read back as a non-causal head; greedy ids equal the
+    baseline's, and the head's drafts are accepted on the prompts it was trained on."""
+    from engine.decoding.runtime import encode_prompt
+    from engine.forge import ForgeConfig, forge
+    from engine.forge.prompts import prompt_sets
+    from engine.models.heads import drafter_for, load_head
+    from engine.models.loading import MODELS
+    from tests.test_engine import run_baseline, run_spec
+
+    cfg = ForgeConfig(target=str(_target(model_dirs)), out=str(tmp_path / "head"), suite=str(_prompts(tmp_path)),
+                      kind="dflash", minutes=15 / 60, batch_size=16, steps=2, max_new_tokens=16, threads="1",
+                      fast="off", pays=False)  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        summary = forge(cfg)
+    finally:
+        torch.set_num_threads(threads)
+    config = json.loads((Path(cfg.out) / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash" and config["block_size"] == 3
+    assert config["transformer_layer_config"]["layer_types"] == ["full_attention"]
+    assert config["sliding_window_non_causal"] is True and config["aux_hidden_state_layer_ids"] == [2, 3, 3]
+    assert "# DFlash head for" in (Path(cfg.out) / "README.md").read_text() and summary["kind"] == "dflash"
+    loaded = MODELS.get(cfg.target, "float32", "cpu")
+    model, tok = loaded.model, loaded.tokenizer
+    head = load_head(cfg.out, model)
+    assert head.config.kind == "dflash" and not any(head.config.block_causal(i) for i in range(head.config.num_layers))
+    assert torch.equal(head.d2t, torch.load(Path(cfg.out) / "checkpoint" / "vocab.pt"))
+    accepted = 0
+    for item in prompt_sets(cfg)[0].items[:16]:
+        ids = encode_prompt(tok, item.prompt, loaded.has_chat_template)
+        expected = run_baseline(model, tok, ids, 32).token_ids
+        for gamma in (1, 2):
+            result = run_spec(model, tok, ids, drafter_for(head, model.config.vocab_size, gamma), gamma, 32)
+            assert result.token_ids == expected, (item.id, gamma)
+            accepted += sum(s.accepted for s in result.steps)
+    assert accepted > 0

@@ -1,8 +1,14 @@
 """Writing a forged head: the speculators layout every engine reads, and a model card that says how it was made.
 
-Flags (HEADS.md, export checklist): one Llama-style layer with full attention, features [2, L//2, L-3],
+EAGLE-3 flags (HEADS.md, export checklist): one Llama-style layer with full attention, features [2, L//2, L-3],
 `norm_before_residual` written out, no norm_before_fc / fc_norm / norm_output (llama.cpp implements none of them),
 `lm_head` and int64 `d2t` / bool `t2d` in the file (engine.models.heads.write_head).
+
+DFlash (speculators' `dflash` layout): Qwen3-style layers over the same three features, `block_size` = the longest
+draft + 1, `mask_token_id`, and the block's causality stated as it was trained (engine.forge.blocks): every layer
+`full_attention` with no sliding window and `sliding_window_non_causal: true`, which speculators' trainer, vLLM
+(`qwen3_dflash`: full attention is non-causal; `dflash_config.causal = not sliding_window_non_causal`) and our
+engine all read as one non-causal block. `lm_head` and `d2t` / `t2d` are in the file (a reduced vocabulary).
 
 The gamma proposed at export comes from the validation acceptance per position and this machine's costs: the head's
 own step (timed here, relative to a one-token target pass) and the target's verify passes (engine.measure.predict).
@@ -27,6 +33,8 @@ def head_step_cost(head: Head, model, rows: int = 64, repeats: int = 20) -> floa
     from engine.decoding.runtime import Clock, forward, new_cache, time_passes
 
     c = head.config
+    if c.kind == "dflash":
+        return block_cost(head, model, rows, repeats)
     p = next(head.parameters())
     clock = Clock(p.device)
     vocab = model.config.get_text_config().vocab_size
@@ -52,20 +60,56 @@ def head_step_cost(head: Head, model, rows: int = 64, repeats: int = 20) -> floa
     return best / target
 
 
-def recommend(acceptance: list[float], c: float, verify: list[float], per_pass: list[float] | None = None) -> dict:
+def block_cost(head: Head, model, rows: int = 64, repeats: int = 20) -> float:
+    """One DFlash proposal at the longest draft trained (a block pass over two kept rows' features after `rows`
+    context rows) over one one-token pass of the target, timed here as head_step_cost times a chain's step."""
+    from engine.decoding.runtime import Clock, forward, new_cache, time_passes
+
+    c = head.config
+    p = next(head.parameters())
+    clock = Clock(p.device)
+    vocab = model.config.get_text_config().vocab_size
+    with torch.inference_mode():
+        target_cache = new_cache(model, rows + 1, role="measure")
+        forward(model, [i % vocab for i in range(rows)], target_cache, keep=1)
+        cache = HeadCache(c.num_layers, c.num_kv_heads, c.head_dim, p.dtype, p.device, rows + c.block_size + 32)
+        context = torch.zeros(rows, c.feature_size, dtype=p.dtype, device=p.device)
+        block = torch.full((c.block_size,), c.mask_token_id, dtype=torch.long, device=p.device)
+        head.dflash(context, block, cache)
+        kept = torch.zeros(2, c.feature_size, dtype=p.dtype, device=p.device)
+        best = float("inf")
+        for _ in range(3):
+            took = 0.0
+            for _ in range(repeats):
+                forward(model, [1], target_cache)
+                target_cache.crop(-1)
+                cache.crop(rows)
+                start = clock.now()
+                states = head.dflash(kept, block, cache)
+                head.to_target(head.logits(states[1:]), c.vocab_size).argmax(-1)
+                took += clock.now() - start
+            best = min(best, took / repeats)
+        target = time_passes(model, (1,))[1]
+    return best / target
+
+
+def recommend(acceptance: list[float], c: float, verify: list[float], per_pass: list[float] | None = None,
+              block: bool = False) -> dict:  # fmt: skip
     """The gamma with the best predicted speedup, from the tokens per verify pass the greedy loop replayed over the
     validation answers gives at each trained gamma (`per_pass`, engine.forge.train.served_lengths): L(g) over
-    g * c + V(g), with the head's cost c and verify costs V(k) (list: k = 0..). Without it, from the per-position
-    acceptance (beyond the trained steps, the last one's), which reads high: it weights every row alike."""
+    g * c + V(g), with the head's cost c and verify costs V(k) (list: k = 0..); a `block` head (DFlash) drafts any g
+    in one pass: L(g) over c + V(g). Without per_pass, from the per-position acceptance (beyond the trained steps,
+    the last one's), which reads high: it weights every row alike."""
     from engine.measure.predict import predict, step_cost
 
     points = {k: v for k, v in enumerate(verify) if k > 0}
+    per_token = (lambda g: c / g) if block else (lambda g: c)  # noqa: E731 (step_cost counts g drafts at c each)
     if per_pass:
-        curve = [{"gamma": g, "predicted": length / step_cost(c, points, g), "per_pass": length}
+        curve = [{"gamma": g, "predicted": length / step_cost(per_token(g), points, g), "per_pass": length}
                  for g, length in enumerate(per_pass, 1)]  # fmt: skip
     else:
         alpha = acceptance[-1] if acceptance else 0.0
-        curve = [{"gamma": g, "predicted": predict(acceptance, alpha, c, points, g)}
+        curve = [{"gamma": g, "predicted": predict(acceptance, alpha, per_token(g), points, g)}
                  for g in range(1, max(len(acceptance), 1) + 1)]  # fmt: skip
     useful = [p for p in curve if p["gamma"] <= reached(acceptance)]
     best = max(useful or curve[:1], key=lambda p: p["predicted"])
@@ -87,18 +131,30 @@ def held_out(head: Head, loaded, acceptance: list[float], per_pass: list[float] 
     with torch.inference_mode():
         verify = measure_verify_costs(loaded.model, max(len(acceptance), len(per_pass or []), 1))
     c = head_step_cost(head, loaded.model)
-    return {"recommended": recommend(acceptance, c, verify, per_pass), "verify_costs": verify}
+    block = head.config.kind == "dflash"
+    return {"recommended": recommend(acceptance, c, verify, per_pass, block), "verify_costs": verify}
 
 
 def write(head: Head, folder: Path, loaded, summary: dict) -> Path:
-    """The head in the speculators layout, with README.md (summary["held_out"] filled by held_out first)."""
+    """The head in the speculators layout of its kind, with README.md (summary["held_out"] filled by held_out
+    first); a DFlash head's config states its block's causality (see the module docstring)."""
+    import json
+
     from engine.models.heads import write_head
     from engine.models.loading import resolve
 
     arch = (getattr(loaded.model.config, "architectures", None) or [type(loaded.model).__name__])[0]
     verifier = resolve(summary["target"]).repo_id or summary["target"]
-    write_head(head, folder, layout="speculators-eagle3", verifier=verifier, verifier_arch=arch,
+    kind = head.config.kind
+    write_head(head, folder, layout=f"speculators-{kind}", verifier=verifier, verifier_arch=arch,
                speculative_tokens=summary["held_out"]["recommended"]["gamma"], card=card(summary))  # fmt: skip
+    if kind == "dflash":
+        path = Path(folder) / "config.json"
+        config = json.loads(path.read_text())
+        config["transformer_layer_config"] |= {"layer_types": ["full_attention"] * head.config.num_layers,
+                                               "use_sliding_window": False, "sliding_window": None}  # fmt: skip
+        config["sliding_window_non_causal"] = True
+        path.write_text(json.dumps(config, indent=2) + "\n")
     return folder
 
 
@@ -144,12 +200,10 @@ def card(s: dict) -> str:
     v, d, t, h = s["vocabulary"], s["data"], s["training"], s.get("held_out", {})
     rec = h.get("recommended", {})
     acc = " / ".join(f"{a:.2f}" for a in t["val_acceptance"])
+    kind = s.get("kind", "eagle3")
     lines = [
-        "---", "library_name: speculators", "tags: [eagle3, speculative-decoding, specarena-forge]", "---", "",
-        f"# EAGLE-3 head for {s['target']}", "",
-        "Forged by SpecArena (`python -m engine forge`): one Llama-style layer over the target's layers "
-        "[2, L//2, L-3], trained by self-distillation on the target's own answers, in vLLM's speculators layout "
-        "(full attention, `norm_before_residual` written out, no extra norms, `lm_head` and `d2t`/`t2d` in the file).",
+        "---", "library_name: speculators", f"tags: [{kind}, speculative-decoding, specarena-forge]", "---", "",
+        f"# {NAMES[kind]} head for {s['target']}", "", ABOUT[kind],
         "", "## Target", "",
         f"- target: `{s['target']}`" + (f" ({s['origin']})" if s.get("origin") else ""),
         f"- revision / folder: `{s['revision']}`",
@@ -163,8 +217,9 @@ def card(s: dict) -> str:
         f"- draft vocabulary: {v['size']:,} of {v['target_vocabulary']:,} tokens, covering {v['train_coverage']:.1%} "
         f"of training labels and {v['val_coverage']:.1%} of validation labels",
         "", "## Training", "",
-        f"- {t['steps']} steps, {t['rows']:,} rows, {t['ttt_steps']} train-time-test steps, soft labels (top-16), "
-        f"best state at step {t['best_step']}" + (" (resumed)" if t.get("resumed") else ""),
+        f"- {t['steps']} steps, {t['rows']:,} rows, " + (f"blocks of up to {t['ttt_steps'] + 1} (anchor and "
+        f"{t['ttt_steps']} drafts)" if kind == "dflash" else f"{t['ttt_steps']} train-time-test steps")
+        + f", soft labels (top-16), best state at step {t['best_step']}" + (" (resumed)" if t.get("resumed") else ""),
         f"- time: {s['wall_s']:.0f} s in all: " + ", ".join(f"{k} {v:.0f} s" for k, v in s["timing"].items()),
         f"- machine: {s['machine']}; {s['machine_choice']}",
         "", "## Validation acceptance", "",
@@ -195,14 +250,30 @@ def card(s: dict) -> str:
         lines += ["", pays["verdict"]]
     best = proposed_setting(s)
     tree = f" --topk {best['topk']}" if best["topk"] > 1 else ""
-    lines += ["", "## Use", "", f"- SpecArena: `python -m engine run --target {s['target']} --drafter eagle3 "
+    lines += ["", "## Use", "", f"- SpecArena: `python -m engine run --target {s['target']} --drafter {kind} "
               f"--draft THIS_FOLDER --gamma {best['gamma'] or 1}{tree} --prompt ...`",
               "- vLLM: `vllm serve TARGET --speculative-config "
-              f"'{{\"method\":\"eagle3\",\"model\":\"THIS_FOLDER\",\"num_speculative_tokens\":"
-              f"{gamma or 3}}}'`",
-              "- llama.cpp: `python convert_hf_to_gguf.py THIS_FOLDER --target-model-dir TARGET_DIR --outfile "
-              "head.gguf`, then `llama-server -m target.gguf -md head.gguf --spec-type draft-eagle3`", ""]  # fmt: skip
+              f"'{{\"method\":\"{kind}\",\"model\":\"THIS_FOLDER\",\"num_speculative_tokens\":"
+              f"{gamma or 3}}}'`"]  # fmt: skip
+    if kind == "eagle3":
+        lines.append("- llama.cpp: `python convert_hf_to_gguf.py THIS_FOLDER --target-model-dir TARGET_DIR --outfile "
+                     "head.gguf`, then `llama-server -m target.gguf -md head.gguf --spec-type draft-eagle3`")
+    lines.append("")
     return "\n".join(lines)
+
+
+NAMES = {"eagle3": "EAGLE-3", "dflash": "DFlash"}
+ABOUT = {
+    "eagle3": "Forged by SpecArena (`python -m engine forge`): one Llama-style layer over the target's layers "
+              "[2, L//2, L-3], trained by self-distillation on the target's own answers, in vLLM's speculators layout "
+              "(full attention, `norm_before_residual` written out, no extra norms, `lm_head` and `d2t`/`t2d` in the "
+              "file).",
+    "dflash": "Forged by SpecArena (`python -m engine forge --kind dflash`): Qwen3-style layers over the target's "
+              "layers [2, L//2, L-3] that draft a whole block in one pass, trained by self-distillation on the "
+              "target's own answers (random anchors, soft labels, position weights exp(-(k-1)/4)), in vLLM's "
+              "speculators layout. The block is non-causal, and the config says so: every layer `full_attention`, "
+              "`sliding_window_non_causal: true`.",
+}  # fmt: skip
 
 
 def _x(value) -> str:

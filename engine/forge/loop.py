@@ -1,4 +1,5 @@
-"""The training loop: batches of sequences through the TTT forward, a time-based schedule, evaluation on the
+"""The training loop: batches of sequences through the head's training forward (EAGLE-3: train-time test,
+engine.forge.train; DFlash: anchored blocks, engine.forge.blocks), a time-based schedule, evaluation on the
 validation answers, the best state kept, checkpoints to resume from.
 
 The schedule runs on the clock rather than on a step count, since the budget is time: warm-up over the first 5% of
@@ -20,6 +21,7 @@ from typing import Iterator
 
 import torch
 
+from engine.forge import blocks as B
 from engine.forge import train as T
 from engine.forge.data import Dataset, Sequence
 
@@ -64,7 +66,11 @@ class Trainer:
         self.dataset, self.ids = dataset, ids
         self.device = next(target.parameters()).device
         self.target_dtype = next(target.parameters()).dtype
-        self.head = T.start_head(target, ids, cfg.init, cfg.seed)
+        self.dflash = cfg.kind == "dflash"
+        if self.dflash:
+            self.head = B.start_head(target, ids, cfg.steps, cfg.draft_layers, cfg.init, cfg.seed)
+        else:
+            self.head = T.start_head(target, ids, cfg.init, cfg.seed)
         self.embed = self.head.embed_tokens  # the target's own: never converted, never copied
         with _detached(self.head):
             self.head.float()  # master weights in float32; the passes may run in bfloat16 (autocast)
@@ -104,13 +110,32 @@ class Trainer:
     # -- one batch --
     def _forward(self, batch: dict) -> tuple[torch.Tensor, list[dict]]:
         moved = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        method = B if self.dflash else T
         if self.autocast is not None:
             with torch.autocast(self.device.type, dtype=self.autocast):
-                return T.batch_loss(self.head, moved, self.cfg.steps)
-        return T.batch_loss(self.head, moved, self.cfg.steps)
+                return method.batch_loss(self.head, moved, self.cfg.steps)
+        return method.batch_loss(self.head, moved, self.cfg.steps)
 
-    def _collate(self, group: list[Sequence]) -> dict:
+    def _collate(self, group: list[Sequence], gamma: int | None = None) -> dict:
+        """A training batch (random DFlash anchors and block lengths), or with `gamma` an evaluation's: for DFlash
+        every anchor with blocks of gamma + 1, as served."""
+        if self.dflash:
+            return B.collate(group, self.cfg.steps, self.t2d, torch.float32, None if gamma else self.rng, gamma)
         return T.collate(group, self.cfg.steps, self.t2d, torch.float32)
+
+    def _scored(self, group: list[Sequence], gammas: range) -> tuple[float, list[dict], dict]:
+        """A validation group's loss and per-position stats at the longest gamma, and the greedy loop replayed at
+        each gamma: {gamma: (tokens, verify passes)}. An EAGLE-3 chain's first k steps are the same at every gamma,
+        so one pass serves them all; a DFlash block of another length is another pass (non-causal attention)."""
+        spans = [(s.prompt_len - 1, len(s.tokens) - 3) for s in group]
+        loss, stats = self._forward(self._collate(group, gammas[-1]))
+        if not self.dflash:
+            return float(loss), stats, T.served_lengths([s["hit_mask"] for s in stats], spans, gammas)
+        served = T.served_lengths([s["hit_mask"] for s in stats], spans, gammas[-1:])
+        for g in gammas[:-1]:
+            stats_g = self._forward(self._collate(group, g))[1]
+            served |= T.served_lengths([s["hit_mask"] for s in stats_g], spans, range(g, g + 1))
+        return float(loss), stats, served
 
     def evaluate(self) -> dict:
         """Loss and greedy chain acceptance per draft position on the validation answers."""
@@ -120,12 +145,10 @@ class Trainer:
         served = {g: (0, 0) for g in gammas}
         with torch.no_grad():
             for group in _batches(self.dataset.val, self.cfg.batch_rows, None):
-                loss, stats = self._forward(self._collate(group))
-                spans = [(s.prompt_len - 1, len(s.tokens) - 3) for s in group]
-                replayed = T.served_lengths([s["hit_mask"] for s in stats], spans, gammas)
+                loss, stats, replayed = self._scored(group, gammas)
                 served = {g: (served[g][0] + replayed[g][0], served[g][1] + replayed[g][1]) for g in gammas}
                 rows = stats[0]["rows"]
-                losses += float(loss) * rows
+                losses += loss * rows
                 n += rows
                 alive = None
                 counts = []

@@ -41,7 +41,7 @@ def measure(cfg, summary: dict, progress=lambda done, total, what: None,
     from engine.measure.bench import Stopped
 
     prompts = Path(cfg.out) / HELD_OUT_FILE
-    job = {"target": cfg.target, "draft": str(cfg.out), "dtype": cfg.dtype, "device": cfg.device,
+    job = {"target": cfg.target, "kind": cfg.kind, "draft": str(cfg.out), "dtype": cfg.dtype, "device": cfg.device,
            "max_new_tokens": cfg.pays_max_new_tokens, "seed": cfg.seed, "steps": cfg.steps,
            "repeats": cfg.pays_repeats, "prompts": str(prompts),
            "threads": None if cfg.threads == "auto" else int(cfg.threads),
@@ -105,25 +105,26 @@ def run(job: dict, progress=lambda done, total, what: None) -> dict:
     if job.get("threads"):
         torch.set_num_threads(job["threads"])
     held_out = promptsets.read_file(job["prompts"])
-    base = Settings(target=job["target"], drafter="eagle3", draft=job["draft"], dtype=job["dtype"],
+    kind = job.get("kind", "eagle3")
+    base = Settings(target=job["target"], drafter=kind, draft=job["draft"], dtype=job["dtype"],
                     device=job["device"], max_new_tokens=job["max_new_tokens"], temperature=0.0,
                     seed=job["seed"])  # fmt: skip
 
     if job.get("prompts_measured"):  # the share of the held-out prompts the budget's plan left time for
         held_out = held_out.narrowed(held_out.items[: job["prompts_measured"]])
     gammas = list(range(1, job["steps"] + 1))
-    head_cells, other_cells = len(gammas) * 2, 2  # chain and tree per gamma; prompt lookup and suffix at 4
+    topks = [1, TREE_TOPK] if kind == "eagle3" else [1]  # a DFlash block drafts a chain
+    head_cells, other_cells = len(gammas) * len(topks), 2  # per gamma a chain (and a tree); n-gram drafters at 4
     stages = Stages([head_cells * held_out.turns(), other_cells * held_out.turns()], progress)
 
     def measured():
-        head = sweep(base, held_out, gammas, [0.0], ["eagle3"], job["repeats"], stages.stage(0),
-                     topks=[1, TREE_TOPK])  # fmt: skip
+        head = sweep(base, held_out, gammas, [0.0], [kind], job["repeats"], stages.stage(0), topks=topks)
         others = sweep(replace(base, drafter="prompt-lookup", draft=""), held_out, [4], [0.0],
                        ["prompt-lookup", "suffix"], job["repeats"], stages.stage(1))  # fmt: skip
         return head, others
 
     head, others = ENGINE.call(measured)
-    return summarise(head, others, job.get("recommended"), job.get("acceptance"))
+    return summarise(head, others, job.get("recommended"), job.get("acceptance"), kind)
 
 
 class Stages:
@@ -159,12 +160,12 @@ LOSSLESS = {
 }
 
 
-def measured_acceptance(head: dict) -> list[float]:
+def measured_acceptance(head: dict, kind: str = "eagle3") -> list[float]:
     """The head's acceptance per draft position over its chain cells (kept / reached, engine.measure.bench.positions):
     what the engine saw it keep at each position on the held-out prompts."""
     pooled: list[list[int]] = []
     for cell in head["cells"]:
-        if cell["drafter"] != "eagle3" or cell.get("topk", 1) != 1:
+        if cell["drafter"] != kind or cell.get("topk", 1) != 1:
             continue
         for i, (seen, kept) in enumerate(cell.get("positions") or []):
             pooled += [[0, 0]] * (i + 1 - len(pooled))
@@ -172,8 +173,8 @@ def measured_acceptance(head: dict) -> list[float]:
     return [kept / seen if seen else 0.0 for seen, kept in pooled]
 
 
-def summarise(head: dict, others: dict, predicted_gamma: int | None,
-              acceptance: list[float] | None = None) -> dict:  # fmt: skip
+def summarise(head: dict, others: dict, predicted_gamma: int | None, acceptance: list[float] | None = None,
+              kind: str = "eagle3") -> dict:  # fmt: skip
     """The table: per drafter and gamma the median speedup over the prompts and the mean accepted length per verify
     pass (a median of a few 64-token answers read 63/46 at gamma 2, 3 and 4 alike). "recommended" is the head's row
     measured fastest: the draft length the head's config, card and "use this head" then propose. The gamma the
@@ -200,8 +201,8 @@ def summarise(head: dict, others: dict, predicted_gamma: int | None,
                                          for k, v in cell["by_category"].items()}})  # fmt: skip
     rows.append({"drafter": "target alone", "gamma": 0, "speedup": 1.0, "predicted": 1.0, "mean_accepted_length": 1.0,
                  "acceptance_rate": None, "identical": True, "lossless": "identical", "by_category": {}})  # fmt: skip
-    mine = [r for r in rows if r["drafter"] == "eagle3"]
-    longest = min(reached(measured_acceptance(head)), reached(acceptance or []))
+    mine = [r for r in rows if r["drafter"] == kind]
+    longest = min(reached(measured_acceptance(head, kind)), reached(acceptance or []))
     proposable = [r for r in mine if r["gamma"] <= longest] or mine  # no draft past a position never accepted
     best = max(proposable, key=lambda r: r["speedup"] or 0)
     chain = max((r for r in proposable if r["topk"] == 1), key=lambda r: r["speedup"] or 0)
@@ -219,7 +220,7 @@ def summarise(head: dict, others: dict, predicted_gamma: int | None,
         verdict += (f"; the validation answers predicted gamma {predicted_gamma} best, measured "
                     f"{forecast['speedup']:.2f}x")  # fmt: skip
     verdict += LOSSLESS.get(worst(r["lossless"] for r in mine), ".")
-    return {"rows": rows, "verdict": verdict, "head_fit": fits.get(("eagle3", 1)), "recommended": best,
+    return {"rows": rows, "verdict": verdict, "head_fit": fits.get((kind, 1)), "recommended": best,
             "chain": chain, "predicted_gamma": predicted_gamma, "prompts": head["prompt_set"]["ids"]}  # fmt: skip
 
 
