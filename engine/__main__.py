@@ -129,6 +129,8 @@ def parser() -> argparse.ArgumentParser:
     forge.add_argument("--kind", choices=KINDS, default="eagle3", help="eagle3 (default): a chain drafted one "
                        "one-layer step a token; dflash: a block of drafts in one non-causal pass")
     forge.add_argument("--draft-layers", type=int, default=1, help="dflash: the head's decoder layers (default 1)")
+    forge.add_argument("--beside", default="", metavar="DIR", help="a head measured beside this one on the same "
+                       "held-out prompts (an EAGLE-3 head forged with the same prompts, seed and minutes, say)")
     forge.add_argument("--target", default=BUNDLED, help=f"Hub id, local folder or {BUNDLED} (default)")
     forge.add_argument("--prompts", help="a prompts file (JSON lines, JSON, CSV, text) or a Hub dataset")
     forge.add_argument("--suite", help="task categories (comma-separated; default: all)")
@@ -581,7 +583,7 @@ def cmd_forge(args) -> int:
                       threads=args.threads, pays=not args.no_pays, pays_repeats=args.pays_repeats, init=args.init,
                       data_share=args.data_share, general=not args.no_general, data_dtype=args.data_dtype,
                       batch_rows=args.batch_rows, bank=args.bank, kind=args.kind,
-                      draft_layers=args.draft_layers)  # fmt: skip
+                      draft_layers=args.draft_layers, beside=args.beside)  # fmt: skip
 
     def show(event) -> None:
         eta = f" [{event.eta_s // 60:.0f}:{event.eta_s % 60:02.0f} left]" if event.eta_s is not None else ""

@@ -990,3 +990,27 @@ def test_a_forged_dflash_head_states_its_block_loads_and_runs_lossless(model_dir
             assert result.token_ids == expected, (item.id, gamma)
             accepted += sum(s.accepted for s in result.steps)
     assert accepted > 0
+
+
+def test_a_head_beside_is_measured_on_the_same_held_out_prompts_or_refused(forged):
+    """`forge --kind dflash --beside EAGLE3_DIR`: the other head's chains join the table and the verdict; a head whose
+    forge held out other prompts (it may have trained on the ones measured here) is refused before anything loads."""
+    from engine.errors import UserError
+    from engine.forge.pays import add_beside
+    from engine.forge.pipeline import ForgeConfig, beside_head
+
+    cfg, _, summary = forged
+    mine = ForgeConfig(target=cfg.target, out="o", kind="dflash", beside=cfg.out)
+    beside = beside_head(mine, summary["prompts"]["held_out_ids"])
+    assert beside == {"folder": cfg.out, "kind": "eagle3", "gammas": [1, 2], "minutes": cfg.minutes}
+    with pytest.raises(UserError, match="other held-out prompts"):
+        beside_head(mine, summary["prompts"]["held_out_ids"][1:])
+    one = {"median": 1.1}
+    cell = {"drafter": "eagle3", "gamma": 1, "speedup": one, "acceptance_rate": one, "all_identical": True,
+            "lossless": "identical", "by_category": {}}  # fmt: skip
+    table = {"rows": [{"drafter": "dflash"}, {"drafter": "target alone"}], "verdict": "the head gives 1.20x."}
+    add_beside(table, {"cells": [cell], "samples": [{"cell": 0, "mean_accepted_length": 1.4}]}, beside)
+    assert [r["drafter"] for r in table["rows"]] == ["dflash", "eagle3", "target alone"]
+    assert table["rows"][1]["beside"] == cfg.out and table["beside"]["best"]["speedup"] == 1.1
+    assert table["verdict"].endswith(f"beside it the eagle3 head head, forged in {cfg.minutes:g} minutes: 1.10x at "
+                                     "gamma 1, accepted length 1.40.")

@@ -67,34 +67,35 @@ class Plan:
         return f"plan after loading ({self.load:.0f} s): {parts}{pays}{over}"
 
 
-def measured_cells(cfg) -> int:
+def measured_cells(cfg, beside: int = 0) -> int:
     """The measurement's cells per prompt-turn: per trained gamma a chain (and for EAGLE-3 a tree), then prompt
-    lookup and suffix."""
-    return (2 if cfg.kind == "eagle3" else 1) * cfg.steps + 2
+    lookup and suffix, then `beside` chains of a head measured beside this one."""
+    return (2 if cfg.kind == "eagle3" else 1) * cfg.steps + 2 + beside
 
 
-def measurement_s(cfg, turns: list[int], pass_s: float, load_s: float) -> float:
+def measurement_s(cfg, turns: list[int], pass_s: float, load_s: float, beside: int = 0) -> float:
     """Seconds the does-it-pay measurement of prompts with these turns is planned at: its process, the target loaded
     again, then per prompt-turn and cell a warm-up and `pays_repeats` A/B pairs of `pays_max_new_tokens` tokens, each
     side counted as one one-token pass a token (the speculative side takes fewer: a margin for prefills and the
     head's steps)."""
     from engine.compare import WARM_STEPS
 
-    per_turn = measured_cells(cfg) * (2 * WARM_STEPS + cfg.pays_repeats * 2 * cfg.pays_max_new_tokens) * pass_s
+    per_turn = measured_cells(cfg, beside) * (2 * WARM_STEPS + cfg.pays_repeats * 2 * cfg.pays_max_new_tokens) * pass_s
     return PROCESS_S + load_s + per_turn * sum(turns)
 
 
-def plan_budget(cfg, load_s: float, pass_s: float, turns: list[int]) -> Plan:
+def plan_budget(cfg, load_s: float, pass_s: float, turns: list[int], beside: int = 0) -> Plan:
     """The phases' seconds for a budget of cfg.minutes (a ForgeConfig), `load_s` of it spent loading, a one-token
-    pass of `pass_s` and held-out prompts of `turns` turns each (see Plan)."""
+    pass of `pass_s`, held-out prompts of `turns` turns each and `beside` chains of another head measured (see
+    Plan)."""
     budget = cfg.minutes * 60
     export = max(FLOORS["export"], 0.02 * budget)
     prompts, pays = 0, 0.0
     if cfg.pays and turns:
-        fits = [k for k in range(1, len(turns) + 1) if measurement_s(cfg, turns[:k], pass_s, load_s) <= PAYS_SHARE
-                * budget]  # fmt: skip
+        fits = [k for k in range(1, len(turns) + 1)
+                if measurement_s(cfg, turns[:k], pass_s, load_s, beside) <= PAYS_SHARE * budget]  # fmt: skip
         prompts = max(fits, default=1)
-        pays = measurement_s(cfg, turns[:prompts], pass_s, load_s)
+        pays = measurement_s(cfg, turns[:prompts], pass_s, load_s, beside)
     rest = budget - load_s - export - pays
     data = max(FLOORS["data"], cfg.data_share * rest)
     train = max(FLOORS["train"], rest - data)

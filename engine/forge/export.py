@@ -245,7 +245,8 @@ def card(s: dict) -> str:
                   _row(["---"] * 6)]  # fmt: skip
         for r in pays["rows"]:
             tree = f", tree top-{r['topk']}" if r.get("topk", 1) > 1 else ""
-            lines.append(_row([r["drafter"] + tree, r["gamma"], _x(r["speedup"]), _x(r.get("predicted")),
+            beside = f" (beside: {Path(r['beside']).name})" if r.get("beside") else ""
+            lines.append(_row([r["drafter"] + tree + beside, r["gamma"], _x(r["speedup"]), _x(r.get("predicted")),
                                _f(r["mean_accepted_length"]), r["lossless"] or "-"]))  # fmt: skip
         lines += ["", pays["verdict"]]
     best = proposed_setting(s)

@@ -47,7 +47,7 @@ def measure(cfg, summary: dict, progress=lambda done, total, what: None,
            "threads": None if cfg.threads == "auto" else int(cfg.threads),
            "recommended": summary.get("held_out", {}).get("recommended", {}).get("gamma"),
            "acceptance": summary.get("training", {}).get("val_acceptance"),
-           "prompts_measured": (summary.get("plan") or {}).get("prompts")}  # fmt: skip
+           "prompts_measured": (summary.get("plan") or {}).get("prompts"), "beside": summary.get("beside")}  # fmt: skip
     root = str(Path(__file__).resolve().parents[2])  # where `engine` is, wherever the caller runs from
     env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     stop = stop or threading.Event()
@@ -115,16 +115,47 @@ def run(job: dict, progress=lambda done, total, what: None) -> dict:
     gammas = list(range(1, job["steps"] + 1))
     topks = [1, TREE_TOPK] if kind == "eagle3" else [1]  # a DFlash block drafts a chain
     head_cells, other_cells = len(gammas) * len(topks), 2  # per gamma a chain (and a tree); n-gram drafters at 4
-    stages = Stages([head_cells * held_out.turns(), other_cells * held_out.turns()], progress)
+    beside = job.get("beside")
+    sizes = [head_cells, other_cells] + ([len(beside["gammas"])] if beside else [])
+    stages = Stages([n * held_out.turns() for n in sizes], progress)
 
     def measured():
         head = sweep(base, held_out, gammas, [0.0], [kind], job["repeats"], stages.stage(0), topks=topks)
         others = sweep(replace(base, drafter="prompt-lookup", draft=""), held_out, [4], [0.0],
                        ["prompt-lookup", "suffix"], job["repeats"], stages.stage(1))  # fmt: skip
-        return head, others
+        other_head = None
+        if beside:  # chains: what every engine runs, and what a DFlash block drafts
+            other_head = sweep(replace(base, drafter=beside["kind"], draft=beside["folder"]), held_out,
+                               beside["gammas"], [0.0], [beside["kind"]], job["repeats"], stages.stage(2))  # fmt: skip
+        return head, others, other_head
 
-    head, others = ENGINE.call(measured)
-    return summarise(head, others, job.get("recommended"), job.get("acceptance"), kind)
+    head, others, other_head = ENGINE.call(measured)
+    table = summarise(head, others, job.get("recommended"), job.get("acceptance"), kind)
+    if other_head is not None:
+        add_beside(table, other_head, beside)
+    return table
+
+
+def add_beside(table: dict, other: dict, beside: dict) -> None:
+    """Another head's chains, measured on the same prompts in the same process, as rows marked `beside` and a
+    clause of the verdict: the two kinds side by side for the same minutes of forging."""
+    rows = []
+    for i, cell in enumerate(other["cells"]):
+        rows.append({"drafter": cell["drafter"], "gamma": cell["gamma"], "topk": 1, "beside": beside["folder"],
+                     "speedup": cell["speedup"]["median"], "predicted": None,
+                     "mean_accepted_length": _mean(other["samples"], i, "mean_accepted_length"),
+                     "acceptance_rate": cell["acceptance_rate"]["median"], "identical": cell["all_identical"],
+                     "lossless": cell["lossless"],
+                     "by_category": {k: v["speedup"]["median"] for k, v in cell["by_category"].items()}})  # fmt: skip
+    if not rows:
+        return
+    table["rows"][-1:-1] = rows  # before "target alone"
+    best = max(rows, key=lambda r: r["speedup"] or 0)
+    minutes = f", forged in {beside['minutes']:g} minutes" if beside.get("minutes") else ""
+    table["beside"] = {"folder": beside["folder"], "kind": beside["kind"], "best": best}
+    table["verdict"] = table["verdict"].rstrip(".") + (
+        f"; beside it the {beside['kind']} head {Path(beside['folder']).name}{minutes}: {best['speedup']:.2f}x at "
+        f"gamma {best['gamma']}, accepted length {best['mean_accepted_length'] or 0:.2f}.")  # fmt: skip
 
 
 class Stages:
@@ -201,7 +232,7 @@ def summarise(head: dict, others: dict, predicted_gamma: int | None, acceptance:
                                          for k, v in cell["by_category"].items()}})  # fmt: skip
     rows.append({"drafter": "target alone", "gamma": 0, "speedup": 1.0, "predicted": 1.0, "mean_accepted_length": 1.0,
                  "acceptance_rate": None, "identical": True, "lossless": "identical", "by_category": {}})  # fmt: skip
-    mine = [r for r in rows if r["drafter"] == kind]
+    mine = [r for r in rows if r["drafter"] == kind and not r.get("beside")]
     longest = min(reached(measured_acceptance(head, kind)), reached(acceptance or []))
     proposable = [r for r in mine if r["gamma"] <= longest] or mine  # no draft past a position never accepted
     best = max(proposable, key=lambda r: r["speedup"] or 0)

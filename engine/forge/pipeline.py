@@ -83,6 +83,9 @@ class ForgeConfig:
     pays: bool = True  # measure the head against prompt lookup, suffix and the target alone at the end
     pays_repeats: int = 1
     pays_max_new_tokens: int = 64
+    # a head folder measured beside this one on the same held-out prompts: an EAGLE-3 head forged with the same
+    # prompts, seed and minutes beside a DFlash one, say (its chains, gamma 1 to its trained length)
+    beside: str = ""
 
 
 @dataclass
@@ -125,6 +128,7 @@ class Forge:
         if problem := refused(self.cfg):
             raise UserError(problem)
         self.train_set, self.val_set, self.held_set = prompt_sets(self.cfg)  # a bad file fails before loading
+        self.beside = beside_head(self.cfg, [i.id for i in self.held_set.items])
         yield from self.load()
         yield from self.make_data()
         if not self.dataset.train:
@@ -202,7 +206,8 @@ class Forge:
         with torch.inference_mode():
             pass_s = time_passes(self.loaded.model, (1,))[1] if self.cfg.pays and self.held_set.items else 0.0
         turns = [len(i.turns) for i in self.held_set.items]
-        return plan_budget(self.cfg, self.budget.elapsed(), pass_s, turns)
+        beside = len(self.beside["gammas"]) if self.beside else 0
+        return plan_budget(self.cfg, self.budget.elapsed(), pass_s, turns, beside)
 
     # -- 1. data --
     def make_data(self) -> Iterator[ForgeEvent]:
@@ -324,6 +329,7 @@ class Forge:
                      "dtype": self.data_dtype, "stopped": self.data_note or None,
                      "general_kinds": self.questions.bank_shares},
             "vocabulary": self.vocab, "training": self.trainer.report(), "plan": asdict(self.plan),
+            "beside": self.beside,
         }  # fmt: skip
 
     # -- 5. does it pay --
@@ -371,6 +377,29 @@ class Forge:
         self.loaded = self.dataset = self.trainer = self.head = None
         MODELS.drop(self.cfg.target, self.cfg.dtype, self.cfg.device, pack=False)
         free_memory()
+
+
+def beside_head(cfg: ForgeConfig, held_ids: list[str]) -> dict | None:
+    """The head measured beside the forged one (cfg.beside), from its folder: its kind, the chains to measure (gamma 1
+    to its trained length, or to the draft length its config proposes) and the minutes it was forged in. Refused when
+    the forge that made it held out other prompts: its training prompts could be among the ones measured here."""
+    if not cfg.beside:
+        return None
+    from engine.models.heads import head_folder, layout_of, read_config
+
+    folder = head_folder(cfg.beside)
+    config = read_config(folder)
+    kind = "dflash" if "dflash" in layout_of(config) else "eagle3"
+    report = folder / "forge-report.json"
+    forged = json.loads(report.read_text()) if report.is_file() else {}
+    if forged and forged.get("prompts", {}).get("held_out_ids") != held_ids:
+        raise UserError(f"the head beside ({cfg.beside}) was forged with other held-out prompts, so some prompts "
+                        "measured here may be ones it trained on: forge both with the same prompts, --held-out and "
+                        "--seed.")  # fmt: skip
+    method = next(iter((config.get("speculators_config") or {}).get("proposal_methods") or []), {})
+    steps = (forged.get("config") or {}).get("steps") or method.get("speculative_tokens") or 2
+    minutes = (forged.get("config") or {}).get("minutes")
+    return {"folder": str(folder), "kind": kind, "gammas": list(range(1, steps + 1)), "minutes": minutes}
 
 
 def next_question(plan, made: list[D.Sequence] | None) -> tuple[str, D.Batch] | None:
