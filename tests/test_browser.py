@@ -23,7 +23,8 @@ REWRITE = "Fix the spelling and repeat the text: The quick brown fox jumpd over 
 
 
 @pytest.fixture(scope="module")
-def browser(live_app):
+def browser():
+    """Chromium, headless; each test opens its pages on the app it needs (live_app, or one of its own)."""
     from playwright.sync_api import sync_playwright
 
     if not os.path.exists(CHROMIUM):
@@ -237,7 +238,9 @@ def test_the_comparison_is_on_the_first_screen_on_a_desktop(browser, live_app):
     page.close()
 
 
-def test_on_a_phone_run_brings_the_panes_into_view_and_they_stack(browser, live_app):
+def test_on_a_phone_the_summary_is_in_view_when_a_run_ends_and_the_panes_stack(browser, live_app):
+    """390x844: the sidebar starts closed and Run is reachable; when a run ends its speedup and acceptance cards are
+    in view without scrolling, the panes stand one under the other and no two chart titles overlap."""
     page = open_page(browser, live_app, width=390, height=844)
     assert "open" not in page.get_attribute("#settings", "class").split()  # the sidebar does not cover the page
     run = page.locator("#run").bounding_box()
