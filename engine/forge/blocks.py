@@ -127,11 +127,12 @@ def collate(sequences: list[Sequence], steps: int, t2d: torch.Tensor, dtype: tor
             anchor.append(a)
             block.append(j)
             slot.append(k)
-    q_doc, q_anchor, q_block = torch.tensor(doc), torch.tensor(anchor), torch.tensor(block)
-    c_doc, c_pos = torch.tensor(ctx_doc), torch.tensor(ctx_pos)
+    # a batch of sequences with no answer position to anchor on has no block row: long tensors even then
+    q_doc, q_anchor, q_block = (torch.tensor(x, dtype=torch.long) for x in (doc, anchor, block))
+    c_doc, c_pos = torch.tensor(ctx_doc, dtype=torch.long), torch.tensor(ctx_pos, dtype=torch.long)
     sees_context = (c_doc[None] == q_doc[:, None]) & (c_pos[None] < q_anchor[:, None])
     mask = torch.cat((sees_context, q_block[:, None] == q_block[None]), 1)  # (Q, C + Q)
-    slots = torch.tensor(slot)
+    slots = torch.tensor(slot, dtype=torch.long)
     labelled = torch.nonzero(slots > 0)[:, 0]  # (R,): the rows that propose a token
     top = sequences[0].top_ids.shape[1]
     label_ids = torch.full((labelled.numel(), top), -1, dtype=torch.long)
@@ -141,11 +142,10 @@ def collate(sequences: list[Sequence], steps: int, t2d: torch.Tensor, dtype: tor
         if row <= len(s.tokens) - 2:
             label_ids[r] = t2d[s.top_ids[row].long()]
             label_p[r] = s.top_p[row].float()
-    return {"features": torch.cat(contexts), "ctx_positions": c_pos, "tokens": torch.tensor(tokens),
-            "positions": torch.tensor(pos), "mask": mask, "block": q_block, "doc": q_doc, "block_slot": slots,
-            "labelled": labelled,
-            "slot": slots[labelled], "seq": q_doc[labelled], "anchor": q_anchor[labelled], "label_ids": label_ids,
-            "label_p": label_p,
+    return {"features": torch.cat(contexts), "ctx_positions": c_pos, "tokens": torch.tensor(tokens, dtype=torch.long),
+            "positions": torch.tensor(pos, dtype=torch.long), "mask": mask, "block": q_block, "doc": q_doc,
+            "block_slot": slots, "labelled": labelled, "slot": slots[labelled], "seq": q_doc[labelled],
+            "anchor": q_anchor[labelled], "label_ids": label_ids, "label_p": label_p,
             "shape": (len(sequences), max(len(s.tokens) - 1 for s in sequences))}  # fmt: skip
 
 

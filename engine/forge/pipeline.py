@@ -123,6 +123,7 @@ class Forge:
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.data_note = ""  # why the data phase ended early (the disk), when it did
         self.questions = None  # engine.forge.questions.Questions, once the target is loaded
+        self.beside: dict | None = None  # the head measured beside this one (beside_head), once the prompts are read
 
     def run(self) -> Iterator[ForgeEvent]:
         if problem := refused(self.cfg):
