@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -290,8 +291,17 @@ def test_cpu_linear_forms_match_stock_layers(model_dirs, llama_pair, monkeypatch
     assert run_spec(packed.model, tok, ids, PromptLookup(), 4, 30).token_ids == expected
 
 
-TABLES = [("packed",), ("transposed",), ("blas",), ("stock", "stock", "stock", "transposed", "transposed", "packed"),
-          ("stock", "packed", "stock", "transposed"), ("stock", "blas", "stock", "packed", "blas")]  # fmt: skip
+TABLES = [("packed",), ("transposed",), ("blas",), ("own",), ("stock", "stock", "stock", "transposed", "transposed",
+          "packed"), ("stock", "packed", "stock", "transposed"), ("stock", "blas", "stock", "packed", "blas"),
+          ("stock", "own", "stock", "packed", "own")]  # fmt: skip
+
+
+def own_kernel():
+    """Our own kernel, compiled here (engine.models.native); CI has a compiler, so there its absence fails."""
+    from engine.models import native
+
+    if native.library() is None:
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(f"our own kernel: {native.status()}")
 
 
 @pytest.mark.parametrize("table", TABLES)
@@ -301,6 +311,8 @@ def test_cpu_linear_matches_in_every_form_and_row_count(table, bias):
     by the rows a pass runs as (its last entry serves longer passes) and only the forms it names are kept."""
     from engine.models.cpu import CpuLinear
 
+    if "own" in table:
+        own_kernel()
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 80, bias=bias)
     wrapped = CpuLinear(layer)
@@ -312,6 +324,27 @@ def test_cpu_linear_matches_in_every_form_and_row_count(table, bias):
             for rows in (1, 2, 3, 4, 5, 17, 64):
                 x = torch.randn(1, rows, 48)
                 torch.testing.assert_close(wrapped(x), layer(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(80, 48), (5, 3), (200, 576), (576, 1536), (1000, 37)])
+def test_our_kernel_rounds_a_verify_pass_exactly_like_one_token_passes(shape):
+    """Every output's sum runs over the inputs in one order, whatever the rows of the pass: a verify pass of k rows
+    gives the bits of k one-token passes (where oneDNN, MKL and OpenBLAS change kernels with the row count), and
+    matches nn.Linear to float32 rounding. Shapes with partial tiles and partial vectors included."""
+    from engine.models.cpu import CpuLinear
+
+    own_kernel()
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(shape[1], shape[0])
+    wrapped = CpuLinear(layer, ("stock", "own"))
+    wrapped.keep_only(("own",))
+    with torch.inference_mode():
+        for rows in (2, 3, 4, 5, 8, 9, 17):
+            x = torch.randn(rows, shape[1])
+            together = wrapped(x)
+            alone = torch.cat([wrapped(x[i : i + 1]) for i in range(rows)])
+            assert torch.equal(together, alone), rows
+            torch.testing.assert_close(together, layer(x), rtol=1e-4, atol=1e-4)
 
 
 def test_passes_run_padded_only_where_a_larger_pass_is_clearly_cheaper():

@@ -113,7 +113,7 @@ def kernel_rates(model, rows=(1, 2, 3, 5, 8), repeats: int = 3) -> dict[str, dic
     linears = [child for _, _, child in cpu._linears(model)]
     if not linears:
         return {}
-    forms = tuple(f for f in cpu.FORMS if f not in cpu.COPIES) + cpu.COPIES  # copies made here: room for them
+    forms = cpu.available()  # copies made here, for the measurement
     layers = [cpu.CpuLinear(child, forms) for child in linears]
     by_shape: dict[str, list] = {}
     for layer in layers:

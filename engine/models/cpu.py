@@ -60,8 +60,9 @@ import numpy as np
 import psutil
 import torch
 
-FORMS = ("stock", "transposed", "packed", "blas")  # stock first: what a form must beat, and what HF runs
-COPIES = ("transposed", "packed")  # the forms that hold a copy of the weight (blas reads the stock one in place)
+FORMS = ("stock", "transposed", "packed", "blas", "own")  # stock first: what a form must beat, and what HF runs
+COPIES = ("own", "transposed", "packed")  # the forms that hold a copy of the weight (blas reads the stock one in
+# place), in the order they are given memory
 PAD_ROWS = 17  # pass sizes timed (a decode step, verify passes of 1-16 draft tokens); longer ones run as this
 PAD_GAIN = 0.05  # padding must save this share of the pass, more than the timing noise
 FORM_GAIN = 0.05  # a form must save this share of a pass over stock layers to serve it
@@ -69,8 +70,8 @@ GROUP_GAIN = 0.02  # forms per weight shape must save this share of a whole pass
 # cached choices of an older version are measured again (4: the transposed form, per size; 5: timed in the lean
 # forward pass where it runs, engine.decoding.lean; 6: padding kept only where a second timing agrees; 7: the lean
 # pass's verify attention reads shared keys and values in place, which makes multi-row passes cheaper; 8: forms per
-# weight shape; 9: numpy's OpenBLAS, the "blas" form)
-FORMS_VERSION = 9
+# weight shape; 9: numpy's OpenBLAS, the "blas" form; 10: our own kernel, engine.models.native)
+FORMS_VERSION = 10
 
 
 class CpuLinear(torch.nn.Module):
@@ -78,8 +79,9 @@ class CpuLinear(torch.nn.Module):
     pass in the one its size is given by `table` (table[n]: the form for a pass of n rows; longer passes take
     the last; each layer has its own, see `_measure`). Forms that no pass uses are dropped (`keep_only`)."""
 
-    def __init__(self, linear: torch.nn.Linear, forms: tuple[str, ...] = FORMS):
+    def __init__(self, linear: torch.nn.Linear, forms: tuple[str, ...] | None = None):
         super().__init__()
+        forms = available() if forms is None else forms
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.weights = {"stock": weight}
@@ -91,6 +93,12 @@ class CpuLinear(torch.nn.Module):
         if "blas" in forms:  # numpy views of the same memory: no copy
             self.weights["blas"] = weight
             self._blas = (weight.numpy(), None if self.bias is None else self.bias.numpy())
+        self._own = None
+        if "own" in forms:
+            from engine.models import native
+
+            self._own = native.Rows(weight, self.bias, native.library())
+            self.weights["own"] = self._own.weight
         self.table: tuple[str, ...] = ("stock",)
         self.pad: tuple[int, ...] = ()  # pad[n]: the rows a pass of n rows runs as (shared by every layer)
 
@@ -113,6 +121,8 @@ class CpuLinear(torch.nn.Module):
             return out if self.bias is None else out.add_(self.bias)
         if form == "blas":
             return self._run_blas(x, rows)
+        if form == "own":
+            return self._own(x, rows)
         flat = x.reshape(-1, self.in_features)
         out = torch.ops.mkldnn._linear_pointwise(flat, weight, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -138,6 +148,15 @@ class CpuLinear(torch.nn.Module):
     def keep_only(self, table: tuple[str, ...]) -> None:
         self.table = table
         self.weights = {form: w for form, w in self.weights.items() if form in used(table)}
+        if "own" not in self.weights:
+            self._own = None
+
+
+def available() -> tuple[str, ...]:
+    """FORMS, less our own kernel where it could not be built here (engine.models.native says why)."""
+    from engine.models import native
+
+    return tuple(form for form in FORMS if form != "own" or native.library() is not None)
 
 
 def used(table: tuple[str, ...]) -> set[str]:
@@ -174,8 +193,9 @@ def fitting_forms(model) -> tuple[str, ...]:
         return ("stock", "packed")
     copy_bytes = sum(child.weight.numel() * child.weight.element_size() for _, _, child in _linears(model))
     free = psutil.virtual_memory().available
-    copies = [form for i, form in enumerate(COPIES, 1) if i * copy_bytes <= 0.25 * free]
-    return tuple(form for form in FORMS if form not in COPIES or form in copies)
+    possible = [form for form in COPIES if form in available()]
+    copies = [form for i, form in enumerate(possible, 1) if i * copy_bytes <= 0.25 * free]
+    return tuple(form for form in available() if form not in COPIES or form in copies)
 
 
 def wrap_linears(model: torch.nn.Module, forms: tuple[str, ...]) -> list[CpuLinear]:
@@ -265,7 +285,7 @@ def _pad_table(times: dict[int, float]) -> tuple[int, ...]:
 
 
 NAMES = {"stock": "stock nn.Linear", "transposed": "transposed weights", "packed": "oneDNN-packed",
-         "blas": "OpenBLAS (numpy)"}
+         "blas": "OpenBLAS (numpy)", "own": "our few-row kernel"}
 
 
 def _runs(table: tuple[str, ...]) -> list[list]:

@@ -1,0 +1,121 @@
+"""A linear-layer kernel of our own for the few rows of a decode or verify pass, compiled for this CPU at first use.
+
+At batch 1 a pass reads every weight once and does two flops per weight, so its linear layers should run at the
+speed memory reads the weights. The BLAS kernels torch and numpy call are built for large products: on a 2-core AMD
+EPYC (AVX512, BF16) whose memory reads 35 GB/s, none of them reached 20 GB/s of the bundled model's weights at 1-8
+rows (docs/performance.md). kernels/rows.cpp reads each weight once for all the rows of a pass, from a packed copy
+that puts a tile's outputs side by side in vector lanes and streams a thread's tiles in order, so no horizontal sum
+is needed; and every output's sum runs over k in the same order whatever the number of rows, so a verify pass of k
+rows rounds exactly like k one-token passes (the baseline).
+
+It is compiled once per CPU (-march=native: a binary built on one CPU kind may not start on another) and source, with
+the C++ compiler there is (CXX, else g++ or c++), into the cache folder; where no compiler is present or the build
+fails, the kernel is simply not among the forms engine.models.cpu chooses from, and `status()` says why. The library
+links the OpenMP runtime torch has loaded (libgomp.so.1), so its threads are torch's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("kernels") / "rows.cpp"
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+BUILD_TIMEOUT = 300  # seconds; a 2-core machine under load takes a few
+
+_loaded: dict[str, object] = {}  # "lib": the ctypes library or None, "why": the reason when None
+
+
+def compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _library_path(cxx: str) -> Path:
+    from engine.models.cpu import cpu_id
+    from engine.settings import cache_dir
+
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
+    digest = hashlib.sha1("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, cpu_id()]).encode()).hexdigest()
+    return cache_dir() / "kernels" / f"rows-{digest[:12]}.so"
+
+
+def build(cxx: str) -> Path:
+    """The compiled library for this CPU, built now unless the cache has it (one build at a time across processes)."""
+    path = _library_path(cxx)
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.is_file():
+            tmp = path.with_name(f"{path.stem}.{os.getpid()}.so")
+            done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
+                                  timeout=BUILD_TIMEOUT)  # fmt: skip
+            if done.returncode:
+                tmp.unlink(missing_ok=True)
+                raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-400:]}")
+            os.replace(tmp, path)
+    return path
+
+
+def library():
+    """The kernel's ctypes library, built or recalled once per process; None where it cannot be (`status()` says
+    why). SPECARENA_OWN_KERNEL=0 turns it off."""
+    if "lib" in _loaded:
+        return _loaded["lib"]
+    lib, why = None, ""
+    cxx = compiler()
+    if os.environ.get("SPECARENA_OWN_KERNEL", "1") == "0":
+        why = "turned off (SPECARENA_OWN_KERNEL=0)"
+    elif cxx is None:
+        why = "no C++ compiler (install g++ to have it built)"
+    else:
+        try:
+            lib = ctypes.CDLL(str(build(cxx)))
+            lib.rows_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
+            lib.rows_f32.restype = None
+            lib.rows_lanes.restype = ctypes.c_int
+        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+            lib, why = None, f"not built: {error}"
+    _loaded.update(lib=lib, why=why)
+    return lib
+
+
+def status() -> str:
+    """"built for this CPU", or why the kernel is not available."""
+    return "built for this CPU" if library() is not None else str(_loaded["why"])
+
+
+class Rows:
+    """One weight [out, in] (and bias) packed for the kernel: tiles of `per_tile` outputs, zero-padded to whole
+    tiles. `per_tile` is 4 vectors for layers with many outputs and fewer where that would leave a thread idle."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib):
+        self.lib = lib
+        self.out_features, self.in_features = weight.shape
+        lanes = lib.rows_lanes()
+        self.blocks = 4 if self.out_features >= 32 * lanes else 2 if self.out_features >= 16 * lanes else 1
+        width = self.blocks * lanes
+        tiles = -(-self.out_features // width)
+        padded = weight.new_zeros(tiles * width, self.in_features)
+        padded[: self.out_features] = weight
+        self.weight = padded.reshape(tiles, width, self.in_features).transpose(1, 2).contiguous()
+        self.bias = None
+        if bias is not None:
+            self.bias = bias.new_zeros(tiles * width)
+            self.bias[: self.out_features] = bias
+
+    def __call__(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        flat = x.reshape(rows, self.in_features).contiguous()
+        out = flat.new_empty(rows, self.out_features)
+        bias = None if self.bias is None else self.bias.data_ptr()
+        self.lib.rows_f32(flat.data_ptr(), self.weight.data_ptr(), bias, out.data_ptr(), rows, self.in_features,
+                          self.out_features, self.blocks, torch.get_num_threads())  # fmt: skip
+        return out.reshape(*x.shape[:-1], self.out_features)
