@@ -1,7 +1,8 @@
 """End to end in a real browser: Debian's chromium driven by playwright, against `python app.py`.
 
 Each test does what a person would: runs, stops, clears, leaves a field wrong, opens the app on a phone.
-Set SPECARENA_SCREENSHOT=assets/screenshot.png to refresh the README's screenshot from this run.
+Set SPECARENA_SCREENSHOT=assets/screenshot.png to refresh the README's screenshot (the first screen's own prompt, run)
+from this run.
 """
 
 from __future__ import annotations
@@ -132,10 +133,6 @@ def test_a_run_renders_everything_and_clear_resets_it(page):
     page.click("#history")
     headers = page.inner_text("#history-table")
     assert "time" in headers and "status" in headers and "done" in headers
-    if os.environ.get("SPECARENA_SCREENSHOT"):
-        page.evaluate("""() => { window.scrollTo(0, 0);
-            document.querySelectorAll('#settings, #settings *').forEach(e => { e.scrollTop = 0; }); }""")
-        page.screenshot(path=os.environ["SPECARENA_SCREENSHOT"])  # the first 1800 px: the sidebar is fixed
 
     page.click("#clear")
     page.wait_for_function("() => document.querySelector('#summary').innerText.includes('Run a comparison')")
@@ -146,6 +143,27 @@ def test_a_run_renders_everything_and_clear_resets_it(page):
     assert page.is_editable("#field-prompt [data-testid=textbox]")
     page.fill("#field-prompt [data-testid=textbox]", "still editable")
     assert page.input_value("#field-prompt [data-testid=textbox]") == "still editable"
+
+
+def test_the_page_opens_on_a_prompt_the_bundled_model_answers_and_speculation_keeps_drafts(own_page):
+    """Issue 57.4: the first screen's prompt, run as it stands: the bundled model's answer is the table asked for,
+    every item with its price, and prompt lookup's drafts are kept (more than one token per target pass)."""
+    from app.layout import FIRST_PROMPT
+
+    assert own_page.input_value("#field-prompt [data-testid=textbox]") == FIRST_PROMPT
+    own_page.click("#run")
+    wait_status(own_page, "run 1", "done in")
+    answer = own_page.inner_text("#spec-pane .sa-text")
+    for row in ("| Apples | 1.20 |", "| Bread | 2.50 |", "| Milk | 0.99 |", "| Eggs | 3.10 |", "| Cheese | 4.75 |"):
+        assert row in answer, answer
+    summary = own_page.inner_text("#summary")
+    assert "outputs identical" in summary
+    per_pass = own_page.locator("#summary .sa-card:has-text('tokens per target pass') .sa-card-v").inner_text()
+    assert float(per_pass) > 1.3, per_pass
+    if os.environ.get("SPECARENA_SCREENSHOT"):
+        own_page.evaluate("""() => { window.scrollTo(0, 0);
+            document.querySelectorAll('#settings, #settings *').forEach(e => { e.scrollTop = 0; }); }""")
+        own_page.screenshot(path=os.environ["SPECARENA_SCREENSHOT"])  # the first 1800 px: the sidebar is fixed
 
 
 def test_a_field_error_stays_on_its_field_until_that_field_is_edited(page):
