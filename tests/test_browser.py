@@ -160,7 +160,9 @@ def test_the_page_opens_on_a_prompt_the_bundled_model_answers_and_speculation_ke
     assert "outputs identical" in summary
     per_pass = own_page.locator("#summary .sa-card:has-text('tokens per target pass') .sa-card-v").inner_text()
     assert float(per_pass) > 1.3, per_pass
-    if os.environ.get("SPECARENA_SCREENSHOT"):
+    if os.environ.get("SPECARENA_SCREENSHOT"):  # once Run is back and done fading in
+        own_page.wait_for_function("() => !document.querySelector('#run').disabled")
+        settle(own_page)
         own_page.evaluate("""() => { window.scrollTo(0, 0);
             document.querySelectorAll('#settings, #settings *').forEach(e => { e.scrollTop = 0; }); }""")
         own_page.screenshot(path=os.environ["SPECARENA_SCREENSHOT"])  # the first 1800 px: the sidebar is fixed
