@@ -2,7 +2,8 @@
 
     loading        specs (Hub id, folder, bundled, random shape) to loaded models, kept in an LRU cache
     random_shapes  random weights in the shapes of real models, for measuring at real sizes offline
-    cpu            the CPU's identity, and the linear layers' forms (stock, oneDNN-packed, OpenBLAS, padding)
+    cpu            the CPU's identity, and the linear layers' forms (stock, oneDNN-packed, OpenBLAS, ours, padding)
+    native         our own few-row linear kernel (kernels/rows.cpp), compiled for this CPU at first use
     bandwidth      the machine's read bandwidth, the weights' bytes per token, the bound tok/s; kernels' GB/s
     sizing         parameters, KV cache bytes, context length, free memory
     doctor         the pair doctor: vocabulary, context, memory, from configs and tokenizers

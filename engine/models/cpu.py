@@ -97,7 +97,7 @@ class CpuLinear(torch.nn.Module):
         if "own" in forms:
             from engine.models import native
 
-            self._own = native.Rows(weight, self.bias, native.library())
+            self._own = native.Rows(weight, self.bias, native.library(cpu_id()))
             self.weights["own"] = self._own.weight
         self.table: tuple[str, ...] = ("stock",)
         self.pad: tuple[int, ...] = ()  # pad[n]: the rows a pass of n rows runs as (shared by every layer)
@@ -156,7 +156,7 @@ def available() -> tuple[str, ...]:
     """FORMS, less our own kernel where it could not be built here (engine.models.native says why)."""
     from engine.models import native
 
-    return tuple(form for form in FORMS if form != "own" or native.library() is not None)
+    return tuple(form for form in FORMS if form != "own" or native.library(cpu_id()) is not None)
 
 
 def used(table: tuple[str, ...]) -> set[str]:

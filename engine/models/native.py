@@ -37,18 +37,18 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def _library_path(cxx: str) -> Path:
-    from engine.models.cpu import cpu_id
+def _library_path(cxx: str, cpu: str) -> Path:
     from engine.settings import cache_dir
 
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
-    digest = hashlib.sha1("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, cpu_id()]).encode()).hexdigest()
+    digest = hashlib.sha1("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, cpu]).encode()).hexdigest()
     return cache_dir() / "kernels" / f"rows-{digest[:12]}.so"
 
 
-def build(cxx: str) -> Path:
-    """The compiled library for this CPU, built now unless the cache has it (one build at a time across processes)."""
-    path = _library_path(cxx)
+def build(cxx: str, cpu: str) -> Path:
+    """The compiled library for this CPU (`cpu`: engine.models.cpu.cpu_id(), its name and feature flags), built now
+    unless the cache has it (one build at a time across processes)."""
+    path = _library_path(cxx, cpu)
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -65,9 +65,9 @@ def build(cxx: str) -> Path:
     return path
 
 
-def library():
-    """The kernel's ctypes library, built or recalled once per process; None where it cannot be (`status()` says
-    why). SPECARENA_OWN_KERNEL=0 turns it off."""
+def library(cpu: str):
+    """The kernel's ctypes library for this CPU (`cpu`: engine.models.cpu.cpu_id()), built or recalled once per
+    process; None where it cannot be (`status()` says why). SPECARENA_OWN_KERNEL=0 turns it off."""
     if "lib" in _loaded:
         return _loaded["lib"]
     lib, why = None, ""
@@ -78,7 +78,7 @@ def library():
         why = "no C++ compiler (install g++ to have it built)"
     else:
         try:
-            lib = ctypes.CDLL(str(build(cxx)))
+            lib = ctypes.CDLL(str(build(cxx, cpu)))
             lib.rows_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
             lib.rows_f32.restype = None
             lib.rows_lanes.restype = ctypes.c_int
@@ -89,8 +89,10 @@ def library():
 
 
 def status() -> str:
-    """"built for this CPU", or why the kernel is not available."""
-    return "built for this CPU" if library() is not None else str(_loaded["why"])
+    """"built for this CPU", or why the kernel is not available (once `library` has been asked)."""
+    if "lib" not in _loaded:
+        return "not asked for yet"
+    return "built for this CPU" if _loaded["lib"] is not None else str(_loaded["why"])
 
 
 class Rows:
