@@ -122,11 +122,16 @@ class CpuLinear(torch.nn.Module):
         if form == "blas":
             return self._run_blas(x, rows)
         if form == "own":
-            return self._own(x, rows)
+            return self._run_own(x, rows)
         flat = x.reshape(-1, self.in_features)
         out = torch.ops.mkldnn._linear_pointwise(flat, weight, self.bias, "none", [], "")
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    @torch.compiler.disable  # a ctypes call: compiled graphs break around it instead of tracing into it
+    def _run_own(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        return self._own(x, rows)
+
+    @torch.compiler.disable  # numpy views: dynamo's guards on them fail (compiled pairs), so graphs break here
     def _run_blas(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         """numpy's OpenBLAS on views of the same tensors: one row as a matrix-vector product (W @ x, reading W
         row by row, in order), more rows as x @ W.T."""
