@@ -30,7 +30,7 @@ import torch
 
 from engine.decoding.heads import Head, attend, visible
 from engine.forge.data import Sequence
-from engine.forge.train import step_loss
+from engine.forge.train import step_loss, trainable
 
 DECAY = 4.0  # slot i's loss weight exp(-(i - 1) / DECAY): speculators' dflash_decay_gamma default
 MOST_ANCHORS = 512  # blocks per training batch at most (speculators' max_anchors)
@@ -65,17 +65,8 @@ def start_head(target, ids: torch.Tensor, steps: int, draft_layers: int = 1, ini
     torch.manual_seed(seed)
     head = Head(c).to(p.device, p.dtype)
     head.embed_tokens = target.get_input_embeddings()
-    ids = ids.to(p.device)
-    rows = target.get_output_embeddings().weight[ids].detach().clone()
     head.lm_head = torch.nn.Linear(c.hidden_size, ids.numel(), bias=False, device=p.device, dtype=p.dtype)
-    head.lm_head.weight.data = rows
-    head.d2t = None if ids.numel() == c.vocab_size else ids
-    if init == "target":
-        _from_target(head, target)
-    head.train()
-    for name, param in head.named_parameters():
-        param.requires_grad_(not name.startswith(("embed_tokens.", "lm_head.")))
-    return head
+    return trainable(head, target, ids, _from_target if init == "target" else None)
 
 
 def _from_target(head: Head, target) -> None:

@@ -98,12 +98,20 @@ def start_head(target, ids: torch.Tensor, init: str = "target", seed: int = 0) -
     from engine.models.heads import random_head
 
     head = random_head(target, "eagle3", draft_vocab=ids.numel(), seed=seed, norm_before_residual=True)
+    return trainable(head, target, ids, _from_target if init == "target" else None)
+
+
+def trainable(head: Head, target, ids: torch.Tensor, from_target=None) -> Head:
+    """`head` (any kind, its LM head already `ids.numel()` rows) made ready to train: its LM head the target's rows
+    for the draft vocabulary `ids` (a copy) and d2t mapping them, its layers started from the target's by
+    `from_target(head, target)` where given, and only its own weights learning (the embedding and the LM head frozen,
+    as speculators does)."""
     p = next(target.parameters())
     ids = ids.to(p.device)
     head.lm_head.weight.data = target.get_output_embeddings().weight[ids].detach().clone()
     head.d2t = None if ids.numel() == head.config.vocab_size else ids
-    if init == "target":
-        _from_target(head, target)
+    if from_target is not None:
+        from_target(head, target)
     head.train()
     for name, param in head.named_parameters():
         param.requires_grad_(not name.startswith(("embed_tokens.", "lm_head.")))

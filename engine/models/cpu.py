@@ -198,9 +198,9 @@ def fitting_forms(model) -> tuple[str, ...]:
         return ("stock", "packed")
     copy_bytes = sum(child.weight.numel() * child.weight.element_size() for _, _, child in _linears(model))
     free = psutil.virtual_memory().available
-    possible = [form for form in COPIES if form in available()]
-    copies = [form for i, form in enumerate(possible, 1) if i * copy_bytes <= 0.25 * free]
-    return tuple(form for form in available() if form not in COPIES or form in copies)
+    forms = available()
+    copies = [form for i, form in enumerate((f for f in COPIES if f in forms), 1) if i * copy_bytes <= 0.25 * free]
+    return tuple(form for form in forms if form not in COPIES or form in copies)
 
 
 def wrap_linears(model: torch.nn.Module, forms: tuple[str, ...]) -> list[CpuLinear]:
