@@ -30,67 +30,62 @@ def head_step_cost(head: Head, model, rows: int = 64, repeats: int = 20) -> floa
     is timed right after a one-token pass of the target, as the loop meets it: that pass has pushed the head's
     weights out of the CPU's caches. Timed back to back the steps read them from cache (the bundled model's forged
     head: 0.046 of a target pass, this way 0.066, where runs measured 0.076 with the kept rows' features fused)."""
-    from engine.decoding.runtime import Clock, forward, new_cache, time_passes
-
     c = head.config
     if c.kind == "dflash":
         return block_cost(head, model, rows, repeats)
     p = next(head.parameters())
-    clock = Clock(p.device)
-    vocab = model.config.get_text_config().vocab_size
     with torch.inference_mode():
-        target_cache = new_cache(model, rows + 1, role="measure")
-        forward(model, [i % vocab for i in range(rows)], target_cache, keep=1)
         cache = HeadCache(c.num_layers, c.num_kv_heads, c.head_dim, p.dtype, p.device, rows + 32)
         features = torch.zeros(rows, c.feature_size, dtype=p.dtype, device=p.device)
         state, _ = head.eagle3(torch.zeros(rows, dtype=torch.long, device=p.device), head.fuse(features), cache)
         token = torch.zeros(1, dtype=torch.long, device=p.device)
-        best = float("inf")
-        for _ in range(3):
-            took = 0.0
-            for _ in range(repeats):
-                forward(model, [1], target_cache)  # the target's pass between two drafts
-                target_cache.crop(-1)
-                cache.crop(rows)
-                start = clock.now()
-                head.to_target(head.eagle3(token, state[-1:], cache)[1], c.vocab_size).argmax()
-                took += clock.now() - start
-            best = min(best, took / repeats)
-        target = time_passes(model, (1,))[1]
-    return best / target
+
+        def step():
+            head.to_target(head.eagle3(token, state[-1:], cache)[1], c.vocab_size).argmax()
+
+        return _beside_target_passes(model, rows, repeats, lambda: cache.crop(rows), step)
 
 
 def block_cost(head: Head, model, rows: int = 64, repeats: int = 20) -> float:
     """One DFlash proposal at the longest draft trained (a block pass over two kept rows' features after `rows`
     context rows) over one one-token pass of the target, timed here as head_step_cost times a chain's step."""
-    from engine.decoding.runtime import Clock, forward, new_cache, time_passes
-
     c = head.config
     p = next(head.parameters())
-    clock = Clock(p.device)
-    vocab = model.config.get_text_config().vocab_size
     with torch.inference_mode():
-        target_cache = new_cache(model, rows + 1, role="measure")
-        forward(model, [i % vocab for i in range(rows)], target_cache, keep=1)
         cache = HeadCache(c.num_layers, c.num_kv_heads, c.head_dim, p.dtype, p.device, rows + c.block_size + 32)
         context = torch.zeros(rows, c.feature_size, dtype=p.dtype, device=p.device)
         block = torch.full((c.block_size,), c.mask_token_id, dtype=torch.long, device=p.device)
         head.dflash(context, block, cache)
         kept = torch.zeros(2, c.feature_size, dtype=p.dtype, device=p.device)
-        best = float("inf")
-        for _ in range(3):
-            took = 0.0
-            for _ in range(repeats):
-                forward(model, [1], target_cache)
-                target_cache.crop(-1)
-                cache.crop(rows)
-                start = clock.now()
-                states = head.dflash(kept, block, cache)
-                head.to_target(head.logits(states[1:]), c.vocab_size).argmax(-1)
-                took += clock.now() - start
-            best = min(best, took / repeats)
-        target = time_passes(model, (1,))[1]
-    return best / target
+
+        def step():
+            head.to_target(head.logits(head.dflash(kept, block, cache)[1:]), c.vocab_size).argmax(-1)
+
+        return _beside_target_passes(model, rows, repeats, lambda: cache.crop(rows), step)
+
+
+def _beside_target_passes(model, rows: int, repeats: int, reset, step) -> float:
+    """`step()`'s time over a one-token pass of the target's: each step timed right after a target pass (after
+    `rows` tokens of context), as the drafting loop meets it, `reset()` (untimed) first; the best of 3 means of
+    `repeats`."""
+    from engine.decoding.runtime import Clock, forward, new_cache, time_passes
+
+    clock = Clock(next(model.parameters()).device)
+    vocab = model.config.get_text_config().vocab_size
+    target_cache = new_cache(model, rows + 1, role="measure")
+    forward(model, [i % vocab for i in range(rows)], target_cache, keep=1)
+    best = float("inf")
+    for _ in range(3):
+        took = 0.0
+        for _ in range(repeats):
+            forward(model, [1], target_cache)  # the target's pass between two drafts
+            target_cache.crop(-1)
+            reset()
+            start = clock.now()
+            step()
+            took += clock.now() - start
+        best = min(best, took / repeats)
+    return best / time_passes(model, (1,))[1]
 
 
 def recommend(acceptance: list[float], c: float, verify: list[float], per_pass: list[float] | None = None,
