@@ -113,13 +113,16 @@ def kernel_rates(model, rows=(1, 2, 3, 5, 8), repeats: int = 3) -> dict[str, dic
     linears = [child for _, _, child in cpu._linears(model)]
     if not linears:
         return {}
-    forms = cpu.available()  # copies made here, for the measurement
+    forms = cpu.measurable()  # copies made here, for the measurement
     layers = [cpu.CpuLinear(child, forms) for child in linears]
     by_shape: dict[str, list] = {}
     for layer in layers:
         by_shape.setdefault(layer.shape, []).append(layer)
-    with torch.inference_mode():
-        times = cpu._time_shapes(by_shape, forms, tuple(rows), repeats)
+    times = {shape: {} for shape in by_shape}
+    with torch.inference_mode():  # one form after another, OpenBLAS last: its threads spin a while after it ran
+        for form in sorted(forms, key=lambda form: form == "blas"):
+            for shape, rates in cpu._time_shapes(by_shape, (form,), tuple(rows), repeats).items():
+                times[shape] |= rates
     weight_bytes = sum(child.weight.numel() * child.weight.element_size() for child in linears)
     return {form: {n: weight_bytes / sum(times[shape][form][n] for shape in times) / 1e9 for n in rows}
             for form in forms}  # fmt: skip

@@ -70,8 +70,9 @@ GROUP_GAIN = 0.02  # forms per weight shape must save this share of a whole pass
 # cached choices of an older version are measured again (4: the transposed form, per size; 5: timed in the lean
 # forward pass where it runs, engine.decoding.lean; 6: padding kept only where a second timing agrees; 7: the lean
 # pass's verify attention reads shared keys and values in place, which makes multi-row passes cheaper; 8: forms per
-# weight shape; 9: numpy's OpenBLAS, the "blas" form; 10: our own kernel, engine.models.native)
-FORMS_VERSION = 10
+# weight shape; 9: numpy's OpenBLAS, the "blas" form; 10: our own kernel, engine.models.native; 11: OpenBLAS only where
+# our kernel is not built, see available)
+FORMS_VERSION = 11
 
 
 class CpuLinear(torch.nn.Module):
@@ -158,10 +159,23 @@ class CpuLinear(torch.nn.Module):
 
 
 def available() -> tuple[str, ...]:
-    """FORMS, less our own kernel where it could not be built here (engine.models.native says why)."""
+    """The forms the engine chooses among here: FORMS with our own kernel where it could be built (engine.models.native
+    says why not), else with numpy's OpenBLAS in its place. Never both: OpenBLAS runs on a thread pool of its own that
+    spins for a while after each product, beside torch's OpenMP team (which our kernel shares). On a 2-core AMD EPYC
+    (AVX512, BF16) passes timed with the forms taking turns then ran our kernel 1.6-1.8x slower than alone, and the
+    timing at load chose oneDNN-packed layers (29 ms a one-token pass) over our kernel's (18 ms)."""
+    return tuple(form for form in FORMS if form not in ("blas", "own") or (form == "own") == _own_built())
+
+
+def measurable() -> tuple[str, ...]:
+    """Every form that can run here, OpenBLAS included: what `python -m engine roofline` sets side by side."""
+    return tuple(form for form in FORMS if form != "own" or _own_built())
+
+
+def _own_built() -> bool:
     from engine.models import native
 
-    return tuple(form for form in FORMS if form != "own" or native.library(cpu_id()) is not None)
+    return native.library(cpu_id()) is not None
 
 
 def used(table: tuple[str, ...]) -> set[str]:
@@ -341,7 +355,11 @@ def choose_forms(model, key: str, cache_file: Path, progress=lambda message: Non
     if len(forms) <= 1:
         return STOCK
     key = f"{key}|{cpu_id()}|{torch.get_num_threads()} threads|torch {torch.__version__}|forms v{FORMS_VERSION}"
-    key += "" if forms == FORMS else f"|{'+'.join(forms)}"  # with less memory, fewer forms to choose from
+    key += "" if forms == available() else f"|{'+'.join(forms)}"  # with less memory, fewer forms to choose from
+    if "own" in forms:  # a change to our kernel is timed again
+        from engine.models import native
+
+        key += f"|{native.version()}"
     key += "|lean" if getattr(model, "lean", None) is not None else ""  # timed in the passes that will run
     known = _read(cache_file)
     recalled = {"table": ["packed"], "pad": []} if mode() == "1" else known.get(key)

@@ -70,7 +70,7 @@ def library(cpu: str):
     process; None where it cannot be (`status()` says why). SPECARENA_OWN_KERNEL=0 turns it off."""
     if "lib" in _loaded:
         return _loaded["lib"]
-    lib, why = None, ""
+    lib, why, name = None, "", ""
     cxx = compiler()
     if os.environ.get("SPECARENA_OWN_KERNEL", "1") == "0":
         why = "turned off (SPECARENA_OWN_KERNEL=0)"
@@ -78,14 +78,21 @@ def library(cpu: str):
         why = "no C++ compiler (install g++ to have it built)"
     else:
         try:
-            lib = ctypes.CDLL(str(build(cxx, cpu)))
+            path = build(cxx, cpu)
+            lib, name = ctypes.CDLL(str(path)), path.stem
             lib.rows_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
             lib.rows_f32.restype = None
             lib.rows_lanes.restype = ctypes.c_int
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
             lib, why = None, f"not built: {error}"
-    _loaded.update(lib=lib, why=why)
+    _loaded.update(lib=lib, why=why, name=name)
     return lib
+
+
+def version() -> str:
+    """The built kernel's name ("rows-<digest of its source, flags, compiler and CPU>"), "" where there is none: a
+    choice of forms timed with one build is not recalled for another (engine.models.cpu)."""
+    return str(_loaded.get("name", ""))
 
 
 def status() -> str:

@@ -6,10 +6,13 @@
 #include <cstring>
 
 #if defined(__AVX512F__)
-constexpr int V = 16, RB = 4;  // 32 vector registers: NB * RB sums, RB inputs and a weight vector
+constexpr int V = 16, REGS = 32;
 #else
-constexpr int V = 8, RB = 2;  // 16 registers (AVX2)
+constexpr int V = 8, REGS = 16;  // AVX2
 #endif
+// rows read together from one tile: NB * R sums, R inputs and a weight vector in registers, at most 6 (a verify pass
+// of 5 draft tokens and its bonus row reads every weight once)
+template <int NB> constexpr int rows_at_once() { return (REGS - 1) / (NB + 1) < 6 ? (REGS - 1) / (NB + 1) : 6; }
 typedef float vf __attribute__((vector_size(V * sizeof(float))));
 
 static inline vf load(const float *p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
@@ -47,19 +50,26 @@ static inline void tile(const float *x, const float *wt, const float *b, float *
     }
 }
 
+template <int NB, int R>
+static inline void rows_of(const float *x, const float *wt, const float *b, float *y, int r0, int left, int n0, int k,
+                           int n) {
+    if constexpr (R > 1) if (left < R) return rows_of<NB, R - 1>(x, wt, b, y, r0, left, n0, k, n);
+    tile<NB, R>(x, wt, b, y, r0, n0, k, n);
+}
+
 template <int NB>
 static void run(const float *x, const float *w, const float *b, float *y, int rows, int k, int n, int threads) {
+    constexpr int RB = rows_at_once<NB>();
     const int tiles = (n + NB * V - 1) / (NB * V);
+    const int blocks = (rows + RB - 1) / RB;  // each tile is read once per block of rows, blocks as even as can be
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int t = 0; t < tiles; t++) {
         const float *wt = w + (size_t)t * k * NB * V;
-        const int n0 = t * NB * V;
-        int r0 = 0;
-        for (; r0 + RB <= rows; r0 += RB) tile<NB, RB>(x, wt, b, y, r0, n0, k, n);
-        const int left = rows - r0;  // fewer than RB
-        if constexpr (RB > 3) if (left == 3) tile<NB, 3>(x, wt, b, y, r0, n0, k, n);
-        if constexpr (RB > 2) if (left == 2) tile<NB, 2>(x, wt, b, y, r0, n0, k, n);
-        if (left == 1) tile<NB, 1>(x, wt, b, y, r0, n0, k, n);
+        for (int block = 0, r0 = 0; block < blocks; block++) {
+            const int size = (rows - r0) / (blocks - block);
+            rows_of<NB, RB>(x, wt, b, y, r0, size, t * NB * V, k, n);
+            r0 += size;
+        }
     }
 }
 
