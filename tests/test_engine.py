@@ -348,6 +348,37 @@ def test_our_kernel_rounds_a_verify_pass_exactly_like_one_token_passes(shape):
             torch.testing.assert_close(together, layer(x), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_layers_joined_in_one_call_of_our_kernel_give_each_layers_own_bits(bias):
+    """q/k/v (and gate/up) made one call by the lean pass: each member's output equal to the bit to the member run
+    alone, at every row count, with no second copy of the weights; a pass size that runs another form is not joined."""
+    from engine.models.cpu import CpuLinear, join
+
+    own_kernel()
+    torch.manual_seed(0)
+    linears = [torch.nn.Linear(96, n, bias=bias) for n in (128, 64, 64)]  # whole tiles but the last
+    layers = [CpuLinear(linear, ("stock", "own")) for linear in linears]
+    for layer in layers:
+        layer.keep_only(("own",))
+    alone_first = [layer(torch.ones(1, 96)) for layer in layers]
+    joined = join(layers)
+    assert joined is not None
+    base = layers[0].weights["own"].untyped_storage().data_ptr()
+    assert all(layer.weights["own"].untyped_storage().data_ptr() == base for layer in layers)  # views of one weight
+    with torch.inference_mode():
+        for rows in (1, 2, 5, 9):
+            x = torch.randn(1, rows, 96)
+            together = joined(x)
+            for layer, linear, out in zip(layers, linears, together):
+                assert torch.equal(out, layer(x))
+                torch.testing.assert_close(out, linear(x), rtol=1e-4, atol=1e-4)
+    assert all(torch.equal(layer(torch.ones(1, 96)), first) for layer, first in zip(layers, alone_first))
+    for layer in layers:
+        layer.use(("stock", "own", "stock"))  # 2 rows and more in another form: the joined call stands aside
+    assert joined(torch.randn(1, 1, 96)) is not None and joined(torch.randn(1, 3, 96)) is None
+    assert join([layers[0], torch.nn.Linear(96, 8)]) is None
+
+
 def test_passes_run_padded_only_where_a_larger_pass_is_clearly_cheaper():
     """Measured on an AMD EPYC (AVX512): two rows 45 ms, three to five 40 ms; 1-row at 38.7 against 37.6
     for three rows is within the noise, so it stays."""

@@ -58,6 +58,32 @@ def test_lean_logits_equal_the_models_own_to_the_bit(build, dtype):
         assert ours.get_seq_length() == theirs.get_seq_length()
 
 
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2], ids=["llama-gqa", "qwen2-bias"])
+def test_projections_joined_in_one_call_give_the_same_logits_to_the_bit(build):
+    """Where a layer's linears run our kernel (engine.models.native), the lean pass calls q/k/v and gate/up as one
+    each: every pass's logits equal those of the same layers called one by one."""
+    from engine.models.cpu import wrap_linears
+    from tests.test_engine import own_kernel
+
+    own_kernel()
+    lean = lean_copy(build())
+    for layer in wrap_linears(lean, ("stock", "own")):
+        layer.keep_only(("own",))
+    assert lean.lean.join() == lean.config.num_hidden_layers
+    with torch.inference_mode():
+        joined, apart = new_cache(lean, 60), new_cache(lean, 60)
+        for ids, keep in PASSES:
+            if isinstance(ids, int):
+                joined.crop(ids)
+                apart.crop(ids)
+                continue
+            together = forward(lean, ids, joined, keep=keep)
+            calls, lean.lean.joined = lean.lean.joined, []
+            one_by_one = forward(lean, ids, apart, keep=keep)
+            lean.lean.joined = calls
+            assert torch.equal(together, one_by_one), len(ids)
+
+
 @pytest.mark.parametrize("gamma", [1, 4])
 def test_lean_speculative_equals_lean_baseline_and_hf_generate(llama_pair, gamma):
     target, draft, tok = llama_pair

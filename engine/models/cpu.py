@@ -158,6 +158,38 @@ class CpuLinear(torch.nn.Module):
             self._own = None
 
 
+class Joined:
+    """Layers that read one input and all run our kernel, called as one (engine.models.native.join): the lean pass
+    (engine.decoding.lean) makes a layer's q, k and v projections one call, and gate and up another."""
+
+    def __init__(self, layers: list[CpuLinear], rows):
+        self.lead, self.rows = layers[0], rows
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """Each member's output (views of one tensor), or None where this pass's size runs another form."""
+        n = x.numel() // self.lead.in_features
+        size = self.lead.pad[n] if n < len(self.lead.pad) else n  # our kernel's rows need no padding: same bits
+        if self.lead.table[min(size, len(self.lead.table) - 1)] != "own":
+            return None
+        return self.rows(x, n).split(self.rows.sizes, -1)
+
+
+def join(layers: list) -> Joined | None:
+    """The layers as one call where all of them hold our kernel under one table (and can share its tiles), else None."""
+    from engine.models import native
+
+    if not all(type(layer) is CpuLinear and layer._own is not None for layer in layers):
+        return None
+    if len({(layer.table, layer.pad) for layer in layers}) != 1:
+        return None
+    rows = native.join([layer._own for layer in layers])
+    if rows is None:
+        return None
+    for layer in layers:
+        layer.weights["own"] = layer._own.weight  # a view of the joined weight now
+    return Joined(layers, rows)
+
+
 def available() -> tuple[str, ...]:
     """The forms the engine chooses among here: FORMS with our own kernel where it could be built (engine.models.native
     says why not), else with numpy's OpenBLAS in its place. Never both: OpenBLAS runs on a thread pool of its own that

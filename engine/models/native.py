@@ -121,6 +121,12 @@ class Rows:
             self.bias = bias.new_zeros(tiles * width)
             self.bias[: self.out_features] = bias
 
+    def unpacked(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight [out, in] and bias as they were given (a copy)."""
+        tiles, _, width = self.weight.shape
+        weight = self.weight.transpose(1, 2).reshape(tiles * width, self.in_features)[: self.out_features]
+        return weight.contiguous(), None if self.bias is None else self.bias[: self.out_features].clone()
+
     def __call__(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         flat = x.reshape(rows, self.in_features).contiguous()
         out = flat.new_empty(rows, self.out_features)
@@ -128,3 +134,26 @@ class Rows:
         self.lib.rows_f32(flat.data_ptr(), self.weight.data_ptr(), bias, out.data_ptr(), rows, self.in_features,
                           self.out_features, self.blocks, torch.get_num_threads())  # fmt: skip
         return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def join(members: list[Rows]) -> Rows | None:
+    """One packed weight for layers that read the same input (a layer's q, k and v projections; gate and up): a pass
+    makes one call instead of several, and each member keeps a view of its own tiles, so no memory is added. Each
+    output's sum is the same as in its member alone, to the bit. None where the members cannot share tiles (outputs
+    not a whole number of tiles, biases on some only, other input sizes)."""
+    if len({m.in_features for m in members}) != 1 or len({m.bias is None for m in members}) != 1:
+        return None
+    parts = [m.unpacked() for m in members]
+    bias = None if parts[0][1] is None else torch.cat([b for _, b in parts])
+    joined = Rows(torch.cat([w for w, _ in parts]), bias, members[0].lib)
+    width = joined.weight.shape[2]
+    if any(m.out_features % width for m in members[:-1]):
+        return None
+    start = 0
+    for m in members:  # each member now reads its tiles of the joined weight (and frees its own copy)
+        tiles = -(-m.out_features // width)
+        m.weight, m.blocks = joined.weight[start // width : start // width + tiles], joined.blocks
+        m.bias = None if bias is None else joined.bias[start : start + tiles * width]
+        start += m.out_features
+    joined.sizes = [m.out_features for m in members]
+    return joined
