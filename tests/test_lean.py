@@ -62,14 +62,14 @@ def test_lean_logits_equal_the_models_own_to_the_bit(build, dtype):
 def test_projections_joined_in_one_call_give_the_same_logits_to_the_bit(build):
     """Where a layer's linears run our kernel (engine.models.native), the lean pass calls q/k/v and gate/up as one
     each: every pass's logits equal those of the same layers called one by one."""
-    from engine.models.cpu import wrap_linears
+    from engine.models.cpu import join, wrap_linears
     from tests.test_engine import own_kernel
 
     own_kernel()
     lean = lean_copy(build())
     for layer in wrap_linears(lean, ("stock", "own")):
         layer.keep_only(("own",))
-    assert lean.lean.join() == lean.config.num_hidden_layers
+    assert lean.lean.join(join) == lean.config.num_hidden_layers
     with torch.inference_mode():
         joined, apart = new_cache(lean, 60), new_cache(lean, 60)
         for ids, keep in PASSES:

@@ -143,12 +143,10 @@ class LeanDecoder(torch.nn.Module):
         self.rotary_scale = rotary.attention_scaling
         self.joined: list[tuple] = []  # per layer: (q/k/v, gate/up) as one call each, or None (see join)
 
-    def join(self) -> int:
-        """Once the linear layers have their forms (engine.models.cpu), make each layer's q, k and v projections one
-        call of our kernel, and gate and up another, where they run it: ~90 calls fewer in a one-token pass of the
-        bundled model, the same bits. How many layers were joined."""
-        from engine.models.cpu import join
-
+    def join(self, join) -> int:
+        """Once the linear layers have their forms, make each layer's q, k and v projections one call of our kernel,
+        and gate and up another, where they run it (`join`: engine.models.cpu.join, given by the model's loader):
+        ~90 calls fewer in a one-token pass of the bundled model, the same bits. How many layers were joined."""
         layers = self.model[0].model.layers
         self.joined = [(join([a.q_proj, a.k_proj, a.v_proj]), join([m.gate_proj, m.up_proj]))
                        for a, m in ((layer.self_attn, layer.mlp) for layer in layers)]  # fmt: skip

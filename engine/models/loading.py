@@ -34,7 +34,7 @@ from engine.decoding.runtime import compile_decoding, measure_verify_costs, time
 from engine.errors import OutOfMemory, UserError
 from engine.models import random_shapes as random_models
 from engine.models.bandwidth import bytes_per_token, read_bandwidth
-from engine.models.cpu import STOCK, choose_forms, shape_key
+from engine.models.cpu import STOCK, choose_forms, join, shape_key
 from engine.models.sizing import context_length
 from engine.settings import BUNDLED, MAX_GAMMA, cache_dir
 
@@ -414,7 +414,7 @@ def _load(
                              lambda message: progress(f"{source.spec}: {message}"))  # fmt: skip
     reformed = sum(set(layer.table) != {"stock"} for layer in forms["layers"])
     if lean and forms["layers"]:
-        model.lean.join()  # q/k/v and gate/up as one call each where they run our kernel
+        model.lean.join(join)  # q/k/v and gate/up as one call each where they run our kernel
     linear_forms = forms["linear_forms"] if device.type == "cpu" else ""
     with torch.inference_mode():  # what one decode step costs right now: the yardstick for suspect runs
         step_s = time_passes(model, (1,))[1]
