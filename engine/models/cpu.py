@@ -43,8 +43,11 @@ form; a shape takes another form for a size where that saves FORM_GAIN of the sh
 whole passes then run faster than with the table (by GROUP_GAIN, timed in turns) keep it: 4-row passes of the bundled
 model 1.45 one-token passes against 1.54, 9-row 1.71 against 1.80.
 
-SPECARENA_CPU_PACK: auto (default) measures; 1 packs every pass; 0 keeps stock layers. Float32 on CPU only;
-any failure leaves the model as it was.
+Bfloat16 weights choose between stock layers and our kernel (engine.models.native), which reads them as they are
+and sums in float32: on CPU only, where the kernel is built.
+
+SPECARENA_CPU_PACK: auto (default) measures; 1 packs every pass (float32); 0 keeps stock layers. Any failure leaves
+the model as it was.
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ class CpuLinear(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear, forms: tuple[str, ...] | None = None):
         super().__init__()
-        forms = available() if forms is None else forms
+        forms = available(linear.weight.dtype) if forms is None else forms
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         self.weights = {"stock": weight}
@@ -143,6 +146,22 @@ class CpuLinear(torch.nn.Module):
             out += bias
         return torch.from_numpy(out).reshape(*x.shape[:-1], self.out_features)
 
+    def plain_weight(self) -> torch.Tensor:
+        """The weight [out, in] as it was given, read back from whichever form is kept (a packed one by a product
+        with the identity, which is exact; our kernel's tiles unpacked)."""
+        forms = self.weights
+        if "stock" in forms:
+            return forms["stock"]
+        if "blas" in forms:
+            return forms["blas"]
+        if "transposed" in forms:
+            return forms["transposed"].t()
+        if "own" in forms:
+            return self._own.unpacked()[0]
+        with torch.inference_mode():
+            out = torch.ops.mkldnn._linear_pointwise(torch.eye(self.in_features), forms["packed"], None, "none", [], "")
+        return out.t().contiguous()
+
     @property
     def shape(self) -> str:
         """The weight's shape, "out x in": the layers that share it run the same kernels."""
@@ -190,21 +209,29 @@ def join(layers: list) -> Joined | None:
     return Joined(layers, rows)
 
 
-def available() -> tuple[str, ...]:
+SIXTEEN = ("stock", "own")  # bfloat16 weights: torch's own layers or our kernel, which reads half the bytes
+
+
+def available(dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
     """The forms the engine chooses among here: FORMS with our own kernel where it could be built (engine.models.native
-    says why not), else with numpy's OpenBLAS in its place. Never both: OpenBLAS runs on a thread pool of its own that
-    spins for a while after each product, beside torch's OpenMP team (which our kernel shares). On a 2-core AMD EPYC
-    (AVX512, BF16) passes timed with the forms taking turns then ran our kernel 1.6-1.8x slower than alone, and the
-    timing at load chose oneDNN-packed layers (29 ms a one-token pass) over our kernel's (18 ms)."""
-    return tuple(form for form in FORMS if form not in ("blas", "own") or (form == "own") == _own_built())
+    says why not), else with numpy's OpenBLAS in its place; for bfloat16 weights, SIXTEEN where our kernel is built
+    (stock layers alone leave nothing to choose). Never OpenBLAS and our kernel both: OpenBLAS runs on a thread pool
+    of its own that spins for a while after each product, beside torch's OpenMP team (which our kernel shares). On a
+    2-core AMD EPYC (AVX512, BF16) passes timed with the forms taking turns then ran our kernel 1.6-1.8x slower than
+    alone, and the timing at load chose oneDNN-packed layers (29 ms a one-token pass) over our kernel's (18 ms)."""
+    if dtype == torch.bfloat16:
+        return SIXTEEN if own_built() else ("stock",)
+    return tuple(form for form in FORMS if form not in ("blas", "own") or (form == "own") == own_built())
 
 
-def measurable() -> tuple[str, ...]:
+def measurable(dtype: torch.dtype = torch.float32) -> tuple[str, ...]:
     """Every form that can run here, OpenBLAS included: what `python -m engine roofline` sets side by side."""
-    return tuple(form for form in FORMS if form != "own" or _own_built())
+    if dtype == torch.bfloat16:
+        return available(dtype)
+    return tuple(form for form in FORMS if form != "own" or own_built())
 
 
-def _own_built() -> bool:
+def own_built() -> bool:
     from engine.models import native
 
     return native.library(cpu_id()) is not None
@@ -224,7 +251,7 @@ def enabled(model: torch.nn.Module) -> bool:
     return (
         mode() != "0"
         and param.device.type == "cpu"
-        and param.dtype == torch.float32
+        and (param.dtype == torch.float32 or param.dtype == torch.bfloat16 and mode() != "1")
         and torch.backends.mkldnn.is_available()
     )
 
@@ -244,7 +271,7 @@ def fitting_forms(model) -> tuple[str, ...]:
         return ("stock", "packed")
     copy_bytes = sum(child.weight.numel() * child.weight.element_size() for _, _, child in _linears(model))
     free = psutil.virtual_memory().available
-    forms = available()
+    forms = available(next(model.parameters()).dtype)
     copies = [form for i, form in enumerate((f for f in COPIES if f in forms), 1) if i * copy_bytes <= 0.25 * free]
     return tuple(form for form in forms if form not in COPIES or form in copies)
 
@@ -257,7 +284,7 @@ def wrap_linears(model: torch.nn.Module, forms: tuple[str, ...]) -> list[CpuLine
         probe = wrapped[0][2] if wrapped else None
         for form in forms if probe is not None else ():
             probe.use((form,))
-            probe(torch.zeros(2, probe.in_features))
+            probe(torch.zeros(2, probe.in_features, dtype=probe.weights["stock"].dtype))
     except (RuntimeError, AttributeError):
         return []
     for parent, name, module in wrapped:
@@ -387,7 +414,7 @@ def choose_forms(model, key: str, cache_file: Path, progress=lambda message: Non
     if len(forms) <= 1:
         return STOCK
     key = f"{key}|{cpu_id()}|{torch.get_num_threads()} threads|torch {torch.__version__}|forms v{FORMS_VERSION}"
-    key += "" if forms == available() else f"|{'+'.join(forms)}"  # with less memory, fewer forms to choose from
+    key += "" if forms == available(next(model.parameters()).dtype) else f"|{'+'.join(forms)}"  # less memory, fewer
     if "own" in forms:  # a change to our kernel is timed again
         from engine.models import native
 

@@ -459,18 +459,9 @@ def describe(head: Head) -> str:
 
 def linear_weight(module) -> torch.Tensor:
     """The (out, in) weight of a linear layer, also of one the CPU path holds in other layouts (engine.models.cpu's
-    CpuLinear; only a packed one may be left, read back by a product with the identity, which is exact)."""
+    CpuLinear reads it back from whichever form it kept)."""
     weight = getattr(module, "weight", None)
-    if isinstance(weight, torch.Tensor):
-        return weight
-    forms = module.weights
-    if "stock" in forms:
-        return forms["stock"]
-    if "transposed" in forms:
-        return forms["transposed"].t()
-    with torch.inference_mode():
-        eye = torch.eye(module.in_features)
-        return torch.ops.mkldnn._linear_pointwise(eye, forms["packed"], None, "none", [], "").t().contiguous()
+    return weight if isinstance(weight, torch.Tensor) else module.plain_weight()
 
 
 def drafter_for(head: Head, vocab_size: int, gamma: int, adaptive: bool = False, topk: int = 1,
