@@ -328,54 +328,65 @@ def test_cpu_linear_matches_in_every_form_and_row_count(table, bias):
 
 
 @pytest.mark.parametrize("shape", [(80, 48), (5, 3), (200, 576), (576, 1536), (1000, 37)])
-def test_our_kernel_rounds_a_verify_pass_exactly_like_one_token_passes(shape):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_our_kernel_rounds_a_verify_pass_exactly_like_one_token_passes(shape, dtype):
     """Every output's sum runs over the inputs in one order, whatever the rows of the pass: a verify pass of k rows
     gives the bits of k one-token passes (where oneDNN, MKL and OpenBLAS change kernels with the row count), and
-    matches nn.Linear to float32 rounding. Shapes with partial tiles and partial vectors included."""
+    matches nn.Linear to float32 rounding. Shapes with partial tiles and partial vectors included. Bfloat16 weights
+    are summed in float32 and each output rounded once: the float32 product of the same numbers, rounded."""
     from engine.models.cpu import CpuLinear
 
     own_kernel()
     torch.manual_seed(0)
-    layer = torch.nn.Linear(shape[1], shape[0])
+    layer = torch.nn.Linear(shape[1], shape[0]).to(dtype)
     wrapped = CpuLinear(layer, ("stock", "own"))
     wrapped.keep_only(("own",))
     with torch.inference_mode():
         for rows in (2, 3, 4, 5, 6, 7, 8, 9, 13, 17):
-            x = torch.randn(rows, shape[1])
+            x = torch.randn(rows, shape[1], dtype=dtype)
             together = wrapped(x)
             alone = torch.cat([wrapped(x[i : i + 1]) for i in range(rows)])
-            assert torch.equal(together, alone), rows
-            torch.testing.assert_close(together, layer(x), rtol=1e-4, atol=1e-4)
+            assert together.dtype == dtype and torch.equal(together, alone), rows
+            if dtype == torch.float32:
+                torch.testing.assert_close(together, layer(x), rtol=1e-4, atol=1e-4)
+            else:  # against the float32 product: at most one rounding step of bfloat16 apart
+                exact = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
+                assert ((together.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all(), rows
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_layers_joined_in_one_call_of_our_kernel_give_each_layers_own_bits(bias):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_layers_joined_in_one_call_of_our_kernel_give_each_layers_own_bits(bias, dtype):
     """q/k/v (and gate/up) made one call by the lean pass: each member's output equal to the bit to the member run
     alone, at every row count, with no second copy of the weights; a pass size that runs another form is not joined."""
     from engine.models.cpu import CpuLinear, join
 
     own_kernel()
     torch.manual_seed(0)
-    linears = [torch.nn.Linear(96, n, bias=bias) for n in (128, 64, 64)]  # whole tiles but the last
+    # whole tiles but the last; joined, wide enough for bfloat16's tiles read in pairs (engine.models.native)
+    linears = [torch.nn.Linear(96, n, bias=bias).to(dtype) for n in (256, 128, 100)]
     layers = [CpuLinear(linear, ("stock", "own")) for linear in linears]
     for layer in layers:
         layer.keep_only(("own",))
-    alone_first = [layer(torch.ones(1, 96)) for layer in layers]
+    alone_first = [layer(torch.ones(1, 96, dtype=dtype)) for layer in layers]
     joined = join(layers)
     assert joined is not None
     base = layers[0].weights["own"].untyped_storage().data_ptr()
     assert all(layer.weights["own"].untyped_storage().data_ptr() == base for layer in layers)  # views of one weight
     with torch.inference_mode():
         for rows in (1, 2, 5, 9):
-            x = torch.randn(1, rows, 96)
+            x = torch.randn(1, rows, 96, dtype=dtype)
             together = joined(x)
             for layer, linear, out in zip(layers, linears, together):
                 assert torch.equal(out, layer(x))
-                torch.testing.assert_close(out, linear(x), rtol=1e-4, atol=1e-4)
-    assert all(torch.equal(layer(torch.ones(1, 96)), first) for layer, first in zip(layers, alone_first))
+                exact = torch.nn.functional.linear(x.float(), linear.weight.float(), None if not bias else
+                                                   linear.bias.float())  # fmt: skip
+                torch.testing.assert_close(out.float(), exact, rtol=2**-7 if dtype == torch.bfloat16 else 1e-4,
+                                           atol=1e-4)  # fmt: skip
+    assert all(torch.equal(layer(torch.ones(1, 96, dtype=dtype)), first) for layer, first in zip(layers, alone_first))
     for layer in layers:
         layer.use(("stock", "own", "stock"))  # 2 rows and more in another form: the joined call stands aside
-    assert joined(torch.randn(1, 1, 96)) is not None and joined(torch.randn(1, 3, 96)) is None
+    assert joined(torch.randn(1, 1, 96, dtype=dtype)) is not None and joined(torch.randn(1, 3, 96, dtype=dtype)) is None
     assert join([layers[0], torch.nn.Linear(96, 8)]) is None
 
 

@@ -59,14 +59,15 @@ def test_lean_logits_equal_the_models_own_to_the_bit(build, dtype):
 
 
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2], ids=["llama-gqa", "qwen2-bias"])
-def test_projections_joined_in_one_call_give_the_same_logits_to_the_bit(build):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_projections_joined_in_one_call_give_the_same_logits_to_the_bit(build, dtype):
     """Where a layer's linears run our kernel (engine.models.native), the lean pass calls q/k/v and gate/up as one
     each: every pass's logits equal those of the same layers called one by one."""
     from engine.models.cpu import join, wrap_linears
     from tests.test_engine import own_kernel
 
     own_kernel()
-    lean = lean_copy(build())
+    lean = lean_copy(build(), dtype)
     for layer in wrap_linears(lean, ("stock", "own")):
         layer.keep_only(("own",))
     assert lean.lean.join(join) == lean.config.num_hidden_layers

@@ -10,8 +10,8 @@ from engine.models.bandwidth import kernel_rates, limit
 
 def roofline(target: str, dtype: str = "float32", device: str = "auto", rows=(1, 2, 3, 5, 8), progress=print) -> dict:
     """Everything `python -m engine roofline` prints: the limit, each kernel's GB/s over the model's linear weights
-    (float32 on CPU), and whole passes as the engine runs them (lean forward, the forms chosen for this CPU) and as
-    transformers runs them (the model's own forward, stock layers: what generate() runs), per pass size."""
+    (float32 or bfloat16 on CPU), and whole passes as the engine runs them (lean forward, the forms chosen for this
+    CPU) and as transformers runs them (the model's own forward, stock layers: what generate() runs), per pass size."""
     from engine.decoding.runtime import time_passes
     from engine.models.cpu import NAMES, device_name
     from engine.models.loading import MODELS

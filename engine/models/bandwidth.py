@@ -104,16 +104,16 @@ def words(env: dict) -> str:
 def kernel_rates(model, rows=(1, 2, 3, 5, 8), repeats: int = 3) -> dict[str, dict[int, float]]:
     """{kernel: {rows: GB/s}}: the weights' bytes over the time every linear layer of the model takes in that
     kernel, layer after layer as a pass meets them (engine.models.cpu's forms, each timed alone on copies made for
-    the measurement: the model itself is left as it is). Float32 on CPU; {} elsewhere."""
+    the measurement: the model itself is left as it is). Float32 or bfloat16 on CPU; {} elsewhere."""
     from engine.models import cpu
 
     param = next(model.parameters())
-    if param.device.type != "cpu" or param.dtype != torch.float32:
+    if param.device.type != "cpu" or param.dtype not in (torch.float32, torch.bfloat16):
         return {}
     linears = [child for _, _, child in cpu._linears(model)]
     if not linears:
         return {}
-    forms = cpu.measurable()  # copies made here, for the measurement
+    forms = cpu.measurable(param.dtype)  # copies made here, for the measurement
     layers = [cpu.CpuLinear(child, forms) for child in linears]
     by_shape: dict[str, list] = {}
     for layer in layers:

@@ -80,8 +80,9 @@ def library(cpu: str):
         try:
             path = build(cxx, cpu)
             lib, name = ctypes.CDLL(str(path)), path.stem
-            lib.rows_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
-            lib.rows_f32.restype = None
+            for kernel in (lib.rows_f32, lib.rows_bf16):
+                kernel.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
+                kernel.restype = None
             lib.rows_lanes.restype = ctypes.c_int
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
             lib, why = None, f"not built: {error}"
@@ -102,12 +103,18 @@ def status() -> str:
     return "built for this CPU" if _loaded["lib"] is not None else str(_loaded["why"])
 
 
+DTYPES = (torch.float32, torch.bfloat16)  # the weights the kernel reads (bfloat16: summed in float32, see rows.cpp)
+
+
 class Rows:
     """One weight [out, in] (and bias) packed for the kernel: tiles of `per_tile` outputs, zero-padded to whole
-    tiles. `per_tile` is 4 vectors for layers with many outputs and fewer where that would leave a thread idle."""
+    tiles. `per_tile` is 4 vectors for layers with many outputs and fewer where that would leave a thread idle.
+    Float32 or bfloat16 (DTYPES); the bias is kept in float32, where the sums are made."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib):
         self.lib = lib
+        self.kernel = lib.rows_bf16 if weight.dtype == torch.bfloat16 else lib.rows_f32
+        self.weight_dtype = weight.dtype
         self.out_features, self.in_features = weight.shape
         lanes = lib.rows_lanes()
         self.blocks = 4 if self.out_features >= 32 * lanes else 2 if self.out_features >= 16 * lanes else 1
@@ -115,24 +122,36 @@ class Rows:
         tiles = -(-self.out_features // width)
         padded = weight.new_zeros(tiles * width, self.in_features)
         padded[: self.out_features] = weight
-        self.weight = padded.reshape(tiles, width, self.in_features).transpose(1, 2).contiguous()
+        self.weight = self._paired(padded.reshape(tiles, width, self.in_features)).transpose(1, 2).contiguous()
         self.bias = None
         if bias is not None:
-            self.bias = bias.new_zeros(tiles * width)
+            self.bias = bias.new_zeros(tiles * width, dtype=torch.float32)
             self.bias[: self.out_features] = bias
 
+    def _paired(self, tiles: torch.Tensor, undo: bool = False) -> torch.Tensor:
+        """[tiles, width, in] with a bfloat16 tile's vectors interleaved in pairs, as rows.cpp reads them (one 32-bit
+        lane: output m of a vector in its low half, of the next vector in its high half), or back (`undo`); other
+        tiles as they are."""
+        if self.weight_dtype != torch.bfloat16 or self.blocks % 2:
+            return tiles
+        count, width, k = tiles.shape
+        lanes = width // self.blocks
+        split = (lanes, 2) if undo else (2, lanes)
+        return tiles.reshape(count, self.blocks // 2, *split, k).transpose(2, 3).reshape(count, width, k)
+
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The weight [out, in] and bias as they were given (a copy)."""
+        """The weight [out, in] as it was given and the bias in float32 (copies)."""
         tiles, _, width = self.weight.shape
-        weight = self.weight.transpose(1, 2).reshape(tiles * width, self.in_features)[: self.out_features]
-        return weight.contiguous(), None if self.bias is None else self.bias[: self.out_features].clone()
+        weight = self._paired(self.weight.transpose(1, 2), undo=True).reshape(tiles * width, self.in_features)
+        bias = None if self.bias is None else self.bias[: self.out_features].clone()
+        return weight[: self.out_features].contiguous(), bias
 
     def __call__(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-        flat = x.reshape(rows, self.in_features).contiguous()
+        flat = x.reshape(rows, self.in_features).to(self.weight.dtype).contiguous()
         out = flat.new_empty(rows, self.out_features)
         bias = None if self.bias is None else self.bias.data_ptr()
-        self.lib.rows_f32(flat.data_ptr(), self.weight.data_ptr(), bias, out.data_ptr(), rows, self.in_features,
-                          self.out_features, self.blocks, torch.get_num_threads())  # fmt: skip
+        self.kernel(flat.data_ptr(), self.weight.data_ptr(), bias, out.data_ptr(), rows, self.in_features,
+                    self.out_features, self.blocks, torch.get_num_threads())  # fmt: skip
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
