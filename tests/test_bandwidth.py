@@ -38,3 +38,27 @@ def test_the_read_bandwidth_keeps_the_best_measurement_and_is_recalled_without_o
     limit = bandwidth.limit(538_000_000, "cpu")
     assert limit == {"read_gbs": 33.0, "token_mb": 538.0, "bound_tok_s": 61.3}
     assert bandwidth.words(limit) == "bound 61 tok/s (538 MB per token at 33.0 GB/s)"
+
+
+def test_the_roofline_sets_each_kernel_beside_the_bandwidth_read_in_the_same_minutes(model_dirs, tmp_path, capsys):
+    import json
+
+    from engine.__main__ import main
+    from engine.models.cpu import NAMES, measurable
+
+    out = tmp_path / "roofline.json"
+    assert main(["roofline", "--target", model_dirs["target"], "--rows", "2,3", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["rows"] == [1, 2, 3]  # the one-token pass, the one the bound is for, always among them
+    assert set(data["kernels"]) == {NAMES[form] for form in measurable()}
+    assert all(rates[n] > 0 for rates in data["kernels"].values() for n in ("1", "2", "3"))
+    top = data["limit"]
+    assert 0 < top["now_gbs"] <= top["read_gbs"]  # the best ever seen is remembered with this run's reads in it
+    assert abs(top["now_bound_tok_s"] / top["bound_tok_s"] - top["now_gbs"] / top["read_gbs"]) < 0.01
+    for passes in data["passes"].values():
+        assert passes["cost"]["1"] == 1.0 and passes["tok_s"] > 0
+    printed = capsys.readouterr().out
+    beside = f"read bandwidth {top['now_gbs']:.1f} GB/s beside these timings (best seen here {top['read_gbs']:.1f})"
+    assert beside in printed
+    for name, rates in data["kernels"].items():
+        assert f"({rates['1'] / top['now_gbs']:.0%})" in next(line for line in printed.splitlines() if name in line)
