@@ -1,5 +1,5 @@
-"""The Lab's Forge panel: `python -m engine forge` on the page. Train an EAGLE-3 head for a target on this machine
-within a time budget, watch its validation acceptance per draft position grow, stop it (the best checkpoint is
+"""The Lab's Forge panel: `python -m engine forge` on the page. Train an EAGLE-3 or DFlash head for a target on this
+machine within a time budget, watch its validation acceptance per draft position grow, stop it (the best checkpoint is
 written), see whether it pays against prompt lookup, suffix and the target alone, and hand it to the Playground.
 
 All the work is engine.forge (forge_events on the engine thread); this module checks the fields, lays out, wires and
@@ -24,19 +24,23 @@ from app.handlers import RENDER_EVERY, STOPS, session_of
 from app.jobs import api_error, job_failure
 from engine import policy
 from engine.errors import UserError, blame
-from engine.forge import DATA_DTYPES
+from engine.forge import DATA_DTYPES, KINDS
 from engine.measure import promptsets
 
-HELP = """Train an **EAGLE-3 head** for the target on this machine, from the target's own answers to the prompts
-below (the prompt set above when one is loaded, else the chosen task categories; its held-out share, 0.2 when
-none is set, is never trained on and measures the head at the end). The time budget covers the whole forge:
+HELP = """Train an **EAGLE-3** or a **DFlash head** for the target on this machine, from the target's own answers to
+the prompts below (the prompt set above when one is loaded, else the chosen task categories; its held-out share,
+0.2 when none is set, is never trained on and measures the head at the end). The time budget covers the whole forge:
 loading, data, training, export and the final measurement (planned once the target is loaded; the status line then
 says how the minutes are shared). **Stop** ends the forge and still writes the best checkpoint. Heads are written
 under the SpecArena cache; naming an existing forge folder resumes it. The same as `python -m engine forge`."""
 
 FIELDS = {"forge_target": "target", "forge_minutes": "minutes", "forge_out": "output folder",
           "forge_pays": "measure whether it pays", "forge_data": "data passes in", "forge_general": "general prompts",
-          "forge_hold_all": "measure on every prompt"}  # fmt: skip
+          "forge_hold_all": "measure on every prompt", "forge_kind": "head kind"}  # fmt: skip
+# the head kinds (ForgeConfig.kind) as the choice shows them, and as the Playground's drafter names them
+KIND_LABELS = {"eagle3": "EAGLE-3: a chain, one one-layer step a token",
+               "dflash": "DFlash: a block of drafts in one pass"}  # fmt: skip
+KIND_NAMES = {"eagle3": "EAGLE-3 head", "dflash": "DFlash head"}
 # the data passes' dtype (ForgeConfig.data_dtype, engine.forge.pipeline.DATA_DTYPES) as the dropdown shows them
 DATA_LABELS = {"target": "the target's own dtype", "bfloat16": "bfloat16 (a copy)", "float16": "float16 (a copy)"}
 # the Lab's fields the forge reads (its prompt set and task categories): marked under them, as the sweep does
@@ -69,7 +73,7 @@ def build_layout() -> SimpleNamespace:
     """The forge's fields, buttons, status line, progress and result, in an accordion of the Lab."""
     f = SimpleNamespace()
     most = most_minutes()
-    with gr.Accordion("Forge a head: train an EAGLE-3 draft for the target, on this machine", open=False,
+    with gr.Accordion("Forge a head: train an EAGLE-3 or DFlash draft for the target, on this machine", open=False,
                       elem_id="lab-forge"):  # fmt: skip
         gr.Markdown(HELP if most else f"{HELP}\n\n**{OFF[0].upper()}{OFF[1:]}**")
         with gr.Row():
@@ -91,6 +95,9 @@ def build_layout() -> SimpleNamespace:
                                     elem_id=field_id("forge_general"))  # fmt: skip
             f.hold_all = gr.Checkbox(False, label="measure on every prompt", info="train on general prompts alone; "
                                      "all of the prompts below measure the head", elem_id=field_id("forge_hold_all"))
+            f.kind = gr.Radio([(KIND_LABELS[k], k) for k in KINDS], value="eagle3", label="head kind",
+                              info="DFlash drafts γ tokens in one pass of its layers, which may pay better on a CPU "
+                              "than a chain", elem_id=field_id("forge_kind"))  # fmt: skip
         f.prompts = gr.Markdown(elem_id="lab-forge-prompts")
         with gr.Row():
             f.run = gr.Button("Forge", variant="primary", elem_id="lab-forge-run", interactive=bool(most))
@@ -172,7 +179,7 @@ def suite_of(categories, file, dataset) -> str:
 
 
 def plan(target, minutes, out, pays, categories, file=None, dataset="", seed="", held_out=0, data_dtype="target",
-         general=True, hold_all=False):  # fmt: skip
+         general=True, hold_all=False, kind="eagle3"):  # fmt: skip
     """The fields as a ForgeConfig, or a UserError naming the field at fault."""
     from engine.forge import ForgeConfig
 
@@ -193,12 +200,16 @@ def plan(target, minutes, out, pays, categories, file=None, dataset="", seed="",
     data_dtype = str(data_dtype or "target")
     if data_dtype not in DATA_DTYPES:
         raise UserError(f"data passes in {data_dtype!r}: choose {', '.join(DATA_DTYPES)}.", field="forge_data")
+    kind = str(kind or "eagle3")
+    if kind not in KINDS:
+        raise UserError(f"head kind {kind!r}: choose {' or '.join(KINDS)}.", field="forge_kind")
     if hold_all and not general:
         raise UserError("measuring on every prompt leaves nothing to train on without general prompts: tick general "
                         "prompts, or untick measure on every prompt.", field="forge_general")  # fmt: skip
     return ForgeConfig(**({"target": target, "out": str(folder), "suite": suite, "minutes": minutes,
                            "held_out": 1.0 if hold_all else share, "seed": prompt_sets.seed_of(seed) or 0,
-                           "pays": bool(pays), "data_dtype": data_dtype, "general": bool(general)} | OPTIONS))
+                           "pays": bool(pays), "data_dtype": data_dtype, "general": bool(general),
+                           "kind": kind} | OPTIONS))
 
 
 def marked(exc: UserError) -> tuple[str, str]:
@@ -269,7 +280,7 @@ def progress_figure(records: list[dict]) -> go.Figure:
 
 
 def pays_rows(pays: dict | None) -> list[list]:
-    names = {"eagle3": "forged head", "prompt-lookup": "prompt lookup", "suffix": "suffix"}
+    names = {"eagle3": "forged head", "dflash": "forged head", "prompt-lookup": "prompt lookup", "suffix": "suffix"}
     return [[names.get(r["drafter"], r["drafter"]) + (f", tree top-{r['topk']}" if r.get("topk", 1) > 1 else ""),
              r["gamma"] or "-", _r(r.get("predicted"), 2),
              _r(r.get("speedup"), 2), _r(r.get("mean_accepted_length"), 2), _r(r.get("acceptance_rate"), 2),
@@ -278,12 +289,13 @@ def pays_rows(pays: dict | None) -> list[list]:
 
 
 def head_of(summary: dict, folder: str) -> dict:
-    """What "use this head" fills in: the target, the head's folder, and the draft length (and tree width) measured
-    fastest; `config_gamma` is the chain's its config proposes to every engine."""
+    """What "use this head" fills in: the target, the head's kind (the Playground's drafter) and folder, and the draft
+    length (and tree width) measured fastest; `config_gamma` is the chain's its config proposes to every engine."""
     from engine.forge.export import proposed_gamma, proposed_setting
 
     best = proposed_setting(summary)
-    return {"target": summary.get("target"), "folder": folder, "gamma": best["gamma"], "topk": best["topk"],
+    return {"target": summary.get("target"), "kind": summary.get("kind") or "eagle3", "folder": folder,
+            "gamma": best["gamma"], "topk": best["topk"],
             "config_gamma": proposed_gamma(summary)}  # fmt: skip
 
 
@@ -311,23 +323,25 @@ def verdict_markdown(summary: dict, folder: str, stopped: bool) -> str:
     if held and not pays:
         gammas = ",".join(str(g) for g in range(1, len(training.get("val_acceptance") or [0, 0]) + 1))
         lines.append(f"Its {held} held-out prompt{'s were' if held > 1 else ' was'} not measured; this command "
-                     f"measures {'them' if held > 1 else 'it'}: `python -m engine bench --drafter eagle3 --draft "
-                     f"{folder} --gamma {gammas} --suite {folder}/held-out.jsonl`")  # fmt: skip
+                     f"measures {'them' if held > 1 else 'it'}: `python -m engine bench --drafter {head['kind']} "
+                     f"--draft {folder} --gamma {gammas} --suite {folder}/held-out.jsonl`")  # fmt: skip
     if pays:
         lines.append(f"Does it pay: {pays['verdict']}")
-    lines.append("Take it to the Playground with the button below (drafter EAGLE-3 head, draft = this folder).")
+    lines.append(f"Take it to the Playground with the button below (drafter {KIND_NAMES[head['kind']]}, draft = this "
+                 "folder).")
     return "\n\n".join(lines)
 
 
 def run_forge(target, minutes, out, pays, categories=(), prompts_file=None, dataset="", sample_seed="", held_out=0,
-              data_dtype="target", general=True, hold_all=False, request: gr.Request = None):  # fmt: skip
+              data_dtype="target", general=True, hold_all=False, kind="eagle3",
+              request: gr.Request = None):  # fmt: skip
     """Forge a head from the panel's fields and the Lab's prompt set. Yields (progress table, chart, verdict, pays
     table, "use this head" button, the head, status line, field mark): the phase, percent and ETA in the status
     line as it goes, the acceptance per draft position at each evaluation, the result at the end."""
     keep = (gr.skip(),) * OUTPUTS
     try:
         cfg = plan(target, minutes, out, pays, categories, prompts_file, dataset, sample_seed, held_out, data_dtype,
-                   general, hold_all)  # fmt: skip
+                   general, hold_all, kind)  # fmt: skip
     except UserError as exc:
         yield (*keep, *marked(exc))
         raise api_error(exc) from None
@@ -378,8 +392,8 @@ def use_head(head: dict):
     if not head or not head.get("folder"):
         return (*(gr.skip(),) * 5, render.status_line("no head yet: forge one first", error=True))
     gamma, topk = head.get("gamma"), head.get("topk") or 1
-    return (head.get("target") or gr.skip(), "eagle3", head["folder"], gamma if gamma else gr.skip(), topk,
-            render.status_line(filled_note(head)))  # fmt: skip
+    return (head.get("target") or gr.skip(), head.get("kind") or "eagle3", head["folder"],
+            gamma if gamma else gr.skip(), topk, render.status_line(filled_note(head)))  # fmt: skip
 
 
 def filled_note(head: dict) -> str:
@@ -387,7 +401,8 @@ def filled_note(head: dict) -> str:
     gamma = f", γ {head['gamma']}" if head.get("gamma") else ""
     tree = f", tree width {head.get('topk') or 1}"
     target = f"target {head['target']}, " if head.get("target") else ""
-    return (f"filled from the forged head: {target}drafter EAGLE-3 head, draft {head['folder']}{gamma}{tree}; press "
+    return (f"filled from the forged head: {target}drafter {KIND_NAMES[head.get('kind') or 'eagle3']}, draft "
+            f"{head['folder']}{gamma}{tree}; press "
             "Run to try it.")  # fmt: skip
 
 
@@ -416,7 +431,7 @@ def wire(f: SimpleNamespace, lab: SimpleNamespace, play: SimpleNamespace) -> Non
     outputs = [f.progress, f.chart, f.verdict, f.pays_table, f.use, f.head, f.status, f.form_error]
     # the device is held as a run holds it: one at a time with comparisons and sweeps
     f.run.click(gpu.on_gpu(run_forge, forge_seconds), inputs=[f.target, f.minutes, f.out, f.pays, *shared, f.data,
-                                                               f.general, f.hold_all],
+                                                               f.general, f.hold_all, f.kind],
                 outputs=outputs, preprocess=False, api_name="forge", concurrency_limit=1, concurrency_id="device",
                 show_progress="hidden")  # fmt: skip
     f.stop.click(stop, outputs=[f.status], queue=False, api_visibility="private")

@@ -41,9 +41,11 @@ def request(name: str):
     return SimpleNamespace(session_hash=name)
 
 
-def test_a_forge_streams_its_progress_and_ends_with_the_pays_table(panel):
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_a_forge_streams_its_progress_and_ends_with_the_pays_table(panel, kind):
     forge_panel, target, prompts = panel
-    outputs = list(forge_panel.run_forge(target, 20 / 60, "", True, [], prompts, "", "", 0, request=request("f1")))
+    outputs = list(forge_panel.run_forge(target, 20 / 60, "", True, [], prompts, "", "", 0, kind=kind,
+                                         request=request(f"f1-{kind}")))  # fmt: skip
     statuses = [plain(out[forge_panel.OUTPUTS]) for out in outputs]
     assert statuses[0].startswith("forging into ") and outputs[0][forge_panel.OUTPUTS + 1] == ""
     for phase in ("load", "data", "train"):  # each phase in the status line, with its percent and the ETA
@@ -54,17 +56,21 @@ def test_a_forge_streams_its_progress_and_ends_with_the_pays_table(panel):
     assert table["headers"][-2:] == ["position 1", "position 2"] and table["data"]
     assert all(0 <= a <= 1 for row in table["data"] for a in row[-2:])
     assert len(chart.data) == 2  # a line per draft position
-    assert {row[0] for row in pays} == {"forged head", "forged head, tree top-3", "prompt lookup", "suffix",
-                                        "target alone"}  # fmt: skip
+    trees = {"forged head, tree top-3"} if kind == "eagle3" else set()  # a DFlash block is one chain
+    assert {row[0] for row in pays} == {"forged head", "prompt lookup", "suffix", "target alone"} | trees
     assert all(row[6] == "identical" for row in pays if row[0].startswith("forged head"))  # ids == the baseline's
     assert "Does it pay: " in verdict and "stopped early" not in verdict
     assert "the table below measures the held-out ones" in verdict
     assert use["visible"] is True
     folder = Path(head["folder"])
     assert folder.parent == Path(forge_panel.heads_root()).resolve() and (folder / "config.json").is_file()
+    from engine.models.heads import layout_of, read_config
+
+    assert kind in layout_of(read_config(folder))  # the kind chosen is the kind written
     assert folder.name.startswith("forge-target-")
     # "use this head": the Playground's target, drafter, draft and the proposed γ; the app may read it back
-    assert forge_panel.use_head(head)[:3] == (target, "eagle3", str(folder))
+    assert forge_panel.use_head(head)[:3] == (target, kind, str(folder))
+    assert f"(drafter {forge_panel.KIND_NAMES[kind]}, draft = this folder)" in verdict
     from engine import policy
 
     assert policy.app_model(str(folder)) == str(folder)
@@ -120,6 +126,7 @@ def test_bad_fields_are_marked_under_themselves(panel, tmp_path, monkeypatch):
         (("/etc", 15, "", True, ["code"]), "forge_target", "target"),  # outside the operator's models folder
         ((target, 15, "", True, ["code"], None, "", "", 0, "int8"), "forge_data", "data passes in"),
         ((target, 15, "", True, ["code"], None, "", "", 0, "target", False, True), "forge_general", "general prompts"),
+        ((target, 15, "", True, ["code"], None, "", "", 0, "target", True, False, "medusa"), "forge_kind", "head kind"),
     ]
     for args, field, label in cases:
         status, mark, err = refused(forge_panel, *args)
@@ -161,7 +168,11 @@ def test_the_options_reach_the_forge(panel):
 
     forge = next(fn for fn in build_demo().fns.values() if fn.name == "run_forge")
     ids = [c.elem_id for c in forge.inputs]
-    assert ids[-3:] == ["lab-field-forge_data", "lab-field-forge_general", "lab-field-forge_hold_all"]
+    assert ids[-4:] == ["lab-field-forge_data", "lab-field-forge_general", "lab-field-forge_hold_all",
+                        "lab-field-forge_kind"]  # fmt: skip
+    assert plain_run.kind == "eagle3"
+    cfg = forge_panel.plan(target, 5, "", True, ["code"], None, "", "", 0, "target", True, False, "dflash")
+    assert cfg.kind == "dflash"
 
 
 def test_the_operator_can_cap_forges_or_turn_them_off(panel, monkeypatch):
@@ -218,5 +229,9 @@ def test_use_this_head_fills_the_playground_and_says_what_it_filled():
     assert fills == ["org/t", "eagle3", "/cache/heads/t-1", 2, 3]
     assert plain(status) == ("filled from the forged head: target org/t, drafter EAGLE-3 head, draft "
                              "/cache/heads/t-1, γ 2, tree width 3; press Run to try it.")  # fmt: skip
+    block = {"target": "org/t", "kind": "dflash", "folder": "/cache/heads/t-2", "gamma": 3, "topk": 1}
+    *fills, status = forge_panel.use_head(block)
+    assert fills == ["org/t", "dflash", "/cache/heads/t-2", 3, 1]
+    assert "drafter DFlash head, draft /cache/heads/t-2, γ 3, tree width 1;" in plain(status)
     *_, nothing = forge_panel.use_head({})
     assert "forge one first" in plain(nothing)
