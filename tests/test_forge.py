@@ -817,14 +817,6 @@ def test_head_misses_counts_the_first_draft_hits_the_forge_measured_on_its_valid
     assert 0 < held["positions"] <= 8 * summary["prompts"]["held_out"]  # at most 8 answer tokens a prompt
     assert held["misses"] == held["positions"] - held["hits"] and held["copy_misses"] <= held["misses"]
     assert "held-out:" in printed and "validation:" in printed
-    from engine.errors import UserError
-    from engine.forge.misses import report
-    from engine.models.heads import random_head, write_head
-
-    dflash = Path(cfg.out).parent / "dflash"
-    write_head(random_head(target, "dflash", layers=1, block_size=4), dflash, "speculators-dflash")
-    with pytest.raises(UserError, match="is a dflash head"):
-        report(str(dflash), target=cfg.target, suite=cfg.suite, tokens=4)
 
 
 def test_the_budget_covers_the_whole_job_the_measurement_included():
@@ -993,6 +985,17 @@ def test_a_forged_dflash_head_states_its_block_loads_and_runs_lossless(model_dir
             assert result.token_ids == expected, (item.id, gamma)
             accepted += sum(s.accepted for s in result.steps)
     assert accepted > 0
+    # head-misses reads a DFlash head too: on the validation answers its first-draft hits are the forge's
+    # validation acceptance at position 1 (the same rows, blocks of the trained length)
+    from engine.forge import data as D
+    from engine.forge.misses import report, tally
+
+    found = tally(head.eval(), D.Dataset.read(Path(cfg.out) / "data").val, model.config.vocab_size)
+    reached = found["positions"] - found["outside_vocabulary"]
+    assert reached > 0 and abs(found["hits"] - summary["training"]["val_acceptance"][0] * reached) <= 1
+    result = report(cfg.out, tokens=4)
+    assert set(result["sets"]) == {"validation", "held-out"}
+    assert 0 < result["sets"]["held-out"]["positions"] <= 4 * summary["prompts"]["held_out"]
 
 
 def test_a_head_beside_is_measured_on_the_same_held_out_prompts_or_refused(forged):

@@ -1,5 +1,6 @@
-"""Where a forged head misses: its first draft, teacher-forced, on the target's own greedy answers, by how sure the
-target was of its token; on the forge's validation answers beside a prompt set (the held-out prompts, a workload).
+"""Where a forged head misses (EAGLE-3 or DFlash): its first draft, teacher-forced, on the target's own greedy
+answers, by how sure the target was of its token; on the forge's validation answers beside a prompt set (the held-out
+prompts, a workload).
 
     python -m engine head-misses --draft DIR --suite open_qa,creative_writing
 
@@ -30,20 +31,30 @@ def _bucket(p: float) -> int:
 def tally(head, sequences, vocab_size: int, tokens: int | None = None) -> dict:
     """First-draft hits of `head` over the answers of `sequences` (engine.forge.data.Sequence, with the target's top-k
     labels), at most `tokens` answer positions each: per confidence bucket, the positions and hits; a position whose
-    token is outside the draft vocabulary counts as a miss (as served) and among `outside`."""
+    token is outside the draft vocabulary counts as a miss (as served) and among `outside`. The hits are the trainer's
+    own (an EAGLE-3 head's first train-time-test step; a DFlash head's first block row, every answer token an anchor,
+    in blocks of the length it was trained for: a non-causal block's rows see the masks after them), in one layout:
+    row r says whether the head drafted the token at position r + 2."""
+    from engine.forge import blocks as B
     from engine.forge import train as T
 
+    block = head.config.kind == "dflash"
     t2d = T.to_draft_ids(vocab_size, head.d2t)
     device, dtype = head.fc.weight.device, head.fc.weight.dtype
     buckets = [{"low": EDGES[i], "high": EDGES[i + 1], "positions": 0, "hits": 0} for i in range(len(EDGES) - 1)]
     confidence, outside, copies, misses = 0.0, 0, 0, 0
     with torch.no_grad():
         for s in sequences:
-            batch = T.collate([s], 1, t2d, dtype)
+            if block:
+                batch = B.collate([s], 1, t2d, dtype, gamma=head.config.block_size - 1)
+            else:
+                batch = T.collate([s], 1, t2d, dtype)
             moved = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            stat = T.batch_loss(head, moved, 1)[1][0]  # the trainer's own hit and valid masks, step 1
+            stat = (B if block else T).batch_loss(head, moved, 1)[1][0]  # the trainer's own hits, first draft
             hits, valid = stat["hit_mask"][0].tolist(), stat["valid"][0].tolist()
-            first = max(s.prompt_len - 2, 0)  # row r labels the token at position r + 2 (engine.forge.data)
+            # row r labels the token at position r + 2 (engine.forge.data); a block's first anchor is the answer's
+            # first token (the prefill's), so its first draft is the answer's second
+            first = s.prompt_len - 1 if block else max(s.prompt_len - 2, 0)
             last = len(s.tokens) - 2 if tokens is None else min(first + tokens, len(s.tokens) - 2)
             earliest = {}  # pair of tokens -> where it first stands
             for j in range(len(s.tokens) - 2, -1, -1):
@@ -75,7 +86,7 @@ def report(folder: str, target: str | None = None, suite: str | None = None, tok
     from engine.forge import data as D
     from engine.forge.pays import HELD_OUT_FILE
     from engine.measure import promptsets
-    from engine.models.heads import eagle3_layers, load_head
+    from engine.models.heads import load_head
     from engine.models.loading import MODELS
 
     out = Path(folder)
@@ -94,8 +105,6 @@ def report(folder: str, target: str | None = None, suite: str | None = None, tok
     loaded = MODELS.get(target, dtype, device, pack=False)
     model, tok = loaded.model, loaded.tokenizer
     head = load_head(folder, model).eval()
-    if head.config.kind != "eagle3":
-        raise UserError(f"{folder} is a {head.config.kind} head: head-misses replays EAGLE-3 heads (the forge's).")
     text = model.config.get_text_config()
     sets = {}
     if (out / "data").is_dir():
@@ -103,7 +112,7 @@ def report(folder: str, target: str | None = None, suite: str | None = None, tok
         if val:
             sets["validation"] = tally(head, val, text.vocab_size, tokens)
     encoded = [(i.id, encode_prompt(tok, i.prompt, loaded.has_chat_template)) for i in prompts.items]
-    layers = eagle3_layers(text.num_hidden_layers)
+    layers = head.config.layers  # the target's hidden states the head reads, as drafting hands them
     eos = D.eos_of(model, tok)
     answers = []
     for batch in D.batches(encoded, batch_size, (0.0,), tokens, ("greedy",)):
