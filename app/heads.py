@@ -1,5 +1,5 @@
-"""The draft heads the Playground offers where the EAGLE-3 or DFlash drafter is picked: those the Lab's forge wrote
-into the cache (for the target in the form, newest first) and those the presets name.
+"""The draft heads the Playground offers where a head drafter (EAGLE-3, P-EAGLE, DFlash) is picked: those the Lab's
+forge wrote into the cache (for the target in the form, newest first) and those the presets name.
 
 A head is offered by what its own files say (config.json for its kind, the forge's forge-report.json for its target
 and date), read without loading any weights, so that listing them costs nothing when the drafter changes. A folder
@@ -15,11 +15,10 @@ from pathlib import Path
 
 from engine import policy, presets
 from engine.errors import UserError
-from engine.models.heads import layout_of
+from engine.models.heads import KIND_OF, layout_of
 from engine.settings import BUNDLED
 
-KIND_OF_LAYOUT = {"speculators-eagle3": "eagle3", "eagle3-original": "eagle3", "dflash": "dflash",
-                  "speculators-dflash": "dflash"}  # fmt: skip
+KIND_OF_LAYOUT = KIND_OF
 
 
 @dataclass(frozen=True)

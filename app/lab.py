@@ -24,7 +24,7 @@ from engine.measure import report
 from engine.measure.bench import Stopped, sweep
 from engine.measure.load import load_curve
 from engine.measure.report import option_label
-from engine.settings import Settings
+from engine.settings import HEADS, Settings
 from engine.worker import ENGINE
 
 GAMMAS = [1, 2, 3, 4, 5, 6, 8, 12, 16]
@@ -59,7 +59,8 @@ def build_layout() -> SimpleNamespace:
                                      elem_id=field_id("temperatures"))
         ui.drafters = gr.CheckboxGroup(
             [("draft model", "draft-model"), ("prompt lookup", "prompt-lookup"), ("suffix", "suffix"),
-             ("synthetic α", "synthetic"), ("EAGLE-3 head", "eagle3"), ("DFlash head", "dflash"),
+             ("synthetic α", "synthetic"), ("EAGLE-3 head", "eagle3"), ("P-EAGLE head", "peagle"),
+             ("DFlash head", "dflash"),
              ("n-gram mod (llama.cpp)", "ngram-mod"), ("n-gram map-k (llama.cpp)", "ngram-map-k")],
             value=["prompt-lookup"],
             label="drafters",
@@ -259,7 +260,7 @@ def plan(gammas, temperatures, drafters, categories, per_category, repeats, swee
     if missing:
         raise UserError("choose at least one γ, one temperature, one drafter and one task category.",
                         field=missing[0])  # fmt: skip
-    named = [d for d in drafters if d in ("draft-model", "eagle3", "dflash")]
+    named = [d for d in drafters if d in ("draft-model", *HEADS)]
     if len(named) > 1:
         raise UserError(f"{', '.join(named)} each need the Playground's draft field, which names one model or head: "
                         "sweep them one at a time.", field="drafters")  # fmt: skip

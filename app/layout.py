@@ -28,7 +28,8 @@ THEME = gr.themes.Soft(primary_hue="violet", secondary_hue="emerald").set(
 )
 DRAFTERS = [("draft model", "draft-model"), ("prompt lookup (no model)", "prompt-lookup"),
             ("suffix (this session's outputs)", "suffix"), ("synthetic α (measurement tool)", "synthetic"),
-            ("EAGLE-3 head (target's hidden states)", "eagle3"), ("DFlash head (block of drafts)", "dflash"),
+            ("EAGLE-3 head (target's hidden states)", "eagle3"), ("P-EAGLE head (drafts in one pass)", "peagle"),
+            ("DFlash head (block of drafts)", "dflash"),
             ("MTP (vLLM)", "mtp"), ("n-gram mod (llama.cpp)", "ngram-mod"),
             ("n-gram map-k (llama.cpp)", "ngram-map-k")]  # fmt: skip
 BACKENDS = [("transformers (this process)", "transformers"), ("vLLM (its servers)", "vllm"),

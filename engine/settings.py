@@ -17,12 +17,14 @@ from engine.errors import UserError
 
 BUNDLED = "bundled:smollm2-135m-instruct"
 MAX_GAMMA = 16  # the longest draft: the UI's bound, adaptive gamma's ceiling, the predictor's range
-HEADS = ("eagle3", "dflash")  # draft heads over the target's hidden states: every backend runs them
+HEADS = ("eagle3", "peagle", "dflash")  # draft heads over the target's hidden states (engine.decoding.heads)
+NOT_ON_LLAMA = {"peagle": "llama.cpp b11434 has no P-EAGLE drafting (no --spec-type for it, and its converter refuses "
+                "PEagleDraftModel)"}  # heads a backend cannot run, and why, said before anything starts
 VLLM_ONLY = ("mtp",)  # methods vLLM ships and the in-process engine lacks
 LLAMA_ONLY = ("ngram-mod", "ngram-map-k")  # llama.cpp's own n-gram drafters
 DRAFTERS = ("draft-model", "prompt-lookup", "suffix", "synthetic") + HEADS + VLLM_ONLY + LLAMA_ONLY
 TAKES_DRAFT = ("draft-model", "synthetic") + HEADS  # use a named draft model or head (synthetic: for its cost)
-HEAD_NAMES = {"eagle3": "EAGLE-3 head", "dflash": "DFlash head"}
+HEAD_NAMES = {"eagle3": "EAGLE-3 head", "peagle": "P-EAGLE head", "dflash": "DFlash head"}
 BACKENDS = ("transformers", "vllm", "llama.cpp")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 STRICT = ("auto", "on", "off")  # strict mode: every target pass at one width (engine.decoding.runtime.forward)
@@ -138,6 +140,9 @@ class Settings:
             bad("backend", f"{self.backend!r} is unknown: use {', '.join(BACKENDS)}.")
         if self.drafter in VLLM_ONLY and self.backend != "vllm":
             bad("drafter", f"{self.drafter!r} runs on the vLLM backend only: choose backend vllm, or another drafter.")
+        if self.drafter in NOT_ON_LLAMA and self.backend == "llama.cpp":
+            bad("drafter", f"{NOT_ON_LLAMA[self.drafter]}: run the {HEAD_NAMES[self.drafter]} on the transformers or "
+                "vLLM backend.")
         if self.drafter in LLAMA_ONLY and self.backend != "llama.cpp":
             bad("drafter", f"{self.drafter!r} runs on the llama.cpp backend only: choose backend llama.cpp, or "
                 "another drafter.")

@@ -205,7 +205,8 @@ def test_a_head_drafter_lists_the_heads_or_points_to_the_labs_forge(tmp_path, mo
     text = plain(note)
     assert "No EAGLE-3 head for this target yet" in text and "Lab" in text and "Forge a head" in text
     assert "python -m" not in text and "meta-llama/Llama-3.1-8B-Instruct" in text  # where the presets have one
-    assert "trains EAGLE-3 heads only" in plain(handlers.offer_heads("dflash", "bundled")[1])
+    assert "Forge a head" in plain(handlers.offer_heads("dflash", "bundled")[1])  # the forge makes DFlash heads too
+    assert "load a P-EAGLE head the speculators trainer made" in plain(handlers.offer_heads("peagle", "bundled")[1])
     head = head_folder(tmp_path, "mine")
     listed, note = handlers.offer_heads("eagle3", "bundled")
     assert listed["visible"] is True and [v for _, v in listed["choices"]] == [head] and note == ""

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.decoding.heads import DFlash, Eagle3
+from engine.decoding.heads import DFlash, Eagle3, PEagle
 from engine.decoding.lean import attach
 from engine.decoding.runtime import forward, new_cache
 from engine.decoding.sampling import SamplingConfig
@@ -44,6 +44,7 @@ def heads_of(target):
         "eagle3-reduced": random_head(target, "eagle3", draft_vocab=200, norm_before_residual=True, seed=1),
         "eagle3-norms": random_head(target, "eagle3", draft_vocab=300, norm_before_fc=True, norm_output=True, seed=2),
         "dflash": random_head(target, "dflash", layers=2, block_size=6, mask_token_id=5, seed=3),
+        "peagle": random_head(target, "peagle", draft_vocab=250, mask_token_id=7, seed=4),
     }
 
 
@@ -52,7 +53,8 @@ def test_every_layout_reads_back_what_was_written_with_its_layer_ids(target, tmp
     layer whose output is read, one lower; SafeAILab's weights sit under `midlayer.`."""
     heads = heads_of(target)
     cases = [("eagle3", "eagle3-original"), ("eagle3-reduced", "speculators-eagle3"),
-             ("eagle3-norms", "speculators-eagle3"), ("dflash", "dflash"), ("dflash", "speculators-dflash")]
+             ("eagle3-norms", "speculators-eagle3"), ("dflash", "dflash"), ("dflash", "speculators-dflash"),
+             ("peagle", "speculators-peagle")]
     for name, layout in cases:
         head = heads[name]
         folder = write_head(head, tmp_path / f"{name}-{layout}", layout, verifier="tiny")
@@ -68,6 +70,9 @@ def test_every_layout_reads_back_what_was_written_with_its_layer_ids(target, tmp
             assert not {"lm_head.weight", "embed_tokens.weight"} & keys
         if layout == "speculators-dflash":
             assert raw["aux_hidden_state_layer_ids"] == list(head.config.layers)
+        if layout == "speculators-peagle":
+            assert raw["speculators_model_type"] == "peagle" and raw["mask_token_id"] == 7
+            assert {"mask_hidden", "d2t", "lm_head.weight", "embed_tokens.weight"} <= keys
         back = load_head(str(folder), target)
         assert back.config.layers == head.config.layers and back.config.layout == layout
         for flag in ("norm_before_residual", "norm_before_fc", "norm_output", "block_size", "mask_token_id"):
@@ -135,16 +140,16 @@ def test_draft_vocabulary_maps_to_target_ids_and_nothing_outside(target):
     assert draft.probs.shape == (4, 384) and float(draft.probs[:, 50:].sum()) == 0.0
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+@pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash"])
 def test_sampled_head_drafts_keep_the_target_distribution(kind):
     """Each draft token is drawn from the head's q with the run's temperature, top-k and top-p: the rejection rule
     then gives exactly the target's marginals. A reduced draft vocabulary (q = 0 outside it) too."""
     model = tiny_llama(vocab_size=8, layers=3, seed=5)
     with torch.no_grad():
-        head = random_head(model, kind, draft_vocab=6 if kind == "eagle3" else 0, block_size=4, mask_token_id=7,
+        head = random_head(model, kind, draft_vocab=0 if kind == "dflash" else 6, block_size=4, mask_token_id=7,
                            seed=7)  # fmt: skip
         for name, p in head.named_parameters():
-            if kind == "eagle3" and not name.startswith("embed_tokens."):  # DFlash's q is the target's LM head's
+            if kind != "dflash" and not name.startswith("embed_tokens."):  # DFlash's q is the target's LM head's
                 p.mul_(4.0)  # a sharper q, so that acceptance is neither 0 nor 1
     cfg = SamplingConfig(temperature=1.0)
     accepted, drafted = sampled_exactly(model, lambda: drafter_for(head, 8, 3), 3, cfg, [1, 2, 3], 3)
@@ -196,8 +201,9 @@ def test_a_head_for_another_target_is_refused_in_one_sentence(target, tmp_path):
 
 
 def test_every_layout_is_known():
-    assert set(LAYOUTS) == {"speculators-eagle3", "eagle3-original", "dflash", "speculators-dflash"}
-    assert {Eagle3.name, DFlash.name} == {"eagle3", "dflash"}
+    assert set(LAYOUTS) == {"speculators-eagle3", "eagle3-original", "dflash", "speculators-dflash",
+                            "speculators-peagle"}  # fmt: skip
+    assert {Eagle3.name, PEagle.name, DFlash.name} == {"eagle3", "peagle", "dflash"}
     raw = {"speculators_model_type": "eagle3", "transformer_layer_config": {
         "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 128}}
     c = head_config(raw, tiny_llama(layers=DEPTH).config)
@@ -212,10 +218,12 @@ def head_dirs(tmp_path_factory, target):
     byte_tokenizer().save_pretrained(root / "target")
     write_head(random_head(target, "eagle3", draft_vocab=200), root / "eagle3", verifier=str(root / "target"))
     write_head(random_head(target, "dflash", block_size=5), root / "dflash", "dflash")
-    return {name: str(root / name) for name in ("target", "eagle3", "dflash")}
+    write_head(random_head(target, "peagle", mask_token_id=3), root / "peagle", "speculators-peagle",
+               verifier=str(root / "target"))  # fmt: skip
+    return {name: str(root / name) for name in ("target", "eagle3", "dflash", "peagle")}
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+@pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash"])
 def test_cli_runs_a_head_lossless_and_the_doctor_checks_it(head_dirs, kind, capsys):
     from engine.__main__ import main
 
@@ -336,6 +344,8 @@ def test_norm_before_residual_absent_is_read_as_vllm_reads_each_layout():
     speculators = {"speculators_model_type": "eagle3", "transformer_layer_config": layer}
     assert head_config(speculators, config).norm_before_residual
     assert not head_config(layer | {"draft_vocab_size": 100}, config).norm_before_residual
+    peagle = {"speculators_model_type": "peagle", "transformer_layer_config": layer, "mask_token_id": 3}
+    assert not head_config(peagle, config).norm_before_residual  # vLLM's update_peagle: absent is False
 
 
 def test_dflash_block_causality_and_windows_are_resolved_as_vllm_resolves_them():
@@ -379,6 +389,12 @@ def test_fields_we_cannot_run_are_refused_by_name_before_any_weights_load(target
         with pytest.raises(UserError, match="does not run: .*" + named.replace("[", r"\[")) as err:
             load_head(str(folder), target)
         assert err.value.field == "draft"
+    parallel = random_head(target, "peagle", mask_token_id=3)
+    for change, named in (({"mask_token_id": None}, "mask_token_id"), ({"fc_norm": True}, "fc_norm")):
+        folder = _with_config(write_head(parallel, tmp_path / "p", "speculators-peagle"), **change)
+        (folder / "model.safetensors").unlink()
+        with pytest.raises(UserError, match="does not run: .*" + named):
+            load_head(str(folder), target)
     folder = write_head(head, tmp_path / "m", "dflash")
     (folder / "mask_embedding.pt").write_bytes(b"")
     with pytest.raises(UserError, match="mask_embedding.pt"):

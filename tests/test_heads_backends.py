@@ -6,8 +6,9 @@ draft position is printed side by side.
 
 With dtype float32, llama.cpp runs the bundled model as an f32 GGUF that its own converter made from the very folder
 the other two load (under dtype auto it runs the shipped Q4_1 file, which computes other logits, so its greedy text
-parts from theirs after a few tokens). Servers start once per configuration and are reused: three vLLM and three
-llama-server starts in all.
+parts from theirs after a few tokens). Servers start once per configuration and are reused: four vLLM and three
+llama-server starts in all. A P-EAGLE head runs here and on vLLM (its eagle3 with `parallel_drafting`); llama.cpp has
+no P-EAGLE, and the settings say so before anything starts.
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ PROMPT = "hello hello hello hello hello world world world world world hello hell
 BACKENDS = ("transformers", "vllm", "llama.cpp")
 
 
-def one_token_head(target, token: int):
-    """A random-layer EAGLE-3 head whose draft vocabulary is the single token `token` (d2t maps draft id 0 to it):
-    it drafts that token at every position, so it is accepted exactly where the target writes it, whatever the
+def one_token_head(target, token: int, kind: str = "eagle3"):
+    """A random-layer EAGLE-3 (or P-EAGLE) head whose draft vocabulary is the single token `token` (d2t maps draft id
+    0 to it): it drafts that token at every position, so it is accepted exactly where the target writes it, whatever the
     arithmetic of the engine. That exercises the d2t mapping, the chain and acceptance per position on every backend
     with numbers that must agree, where a purely random head would accept nothing anywhere."""
     from engine.models.heads import random_head
 
-    head = random_head(target, "eagle3", draft_vocab=1)
+    head = random_head(target, kind, draft_vocab=1)
     head.d2t = torch.tensor([token])
     head.lm_head.weight.data = target.get_output_embeddings().weight[[token]].clone()
     return head
@@ -75,7 +76,9 @@ def heads(tmp_path_factory):
     write_head(eagle3, out / "eagle3", "speculators-eagle3", verifier=str(folder), speculative_tokens=GAMMA)
     dflash = random_head(target, "dflash", layers=1, block_size=GAMMA + 1)
     write_head(dflash, out / "dflash", "speculators-dflash", verifier=str(folder), speculative_tokens=GAMMA)
-    yield {"eagle3": str(out / "eagle3"), "dflash": str(out / "dflash")}
+    peagle = one_token_head(target, most_common_token(folder, target), "peagle")
+    write_head(peagle, out / "peagle", "speculators-peagle", verifier=str(folder), speculative_tokens=GAMMA)
+    yield {"eagle3": str(out / "eagle3"), "dflash": str(out / "dflash"), "peagle": str(out / "peagle")}
     POOL.stop_all()
 
 
@@ -116,6 +119,23 @@ def test_an_eagle3_head_gives_the_same_ids_on_all_three_backends(heads):
     assert all(d in ((0, 0), (1, 0), (1, 1)) for d in extra), counts
     assert found["vllm"].environment["speculative_config"]["method"] == "eagle3"
     assert "draft-eagle3" in found["llama.cpp"].environment["spec_flags"]
+
+
+def test_a_p_eagle_head_gives_the_same_ids_and_counts_here_and_on_vllm_and_llama_cpp_says_it_has_none(heads):
+    found = runs("peagle", heads, ("transformers", "vllm"))
+    print("\nP-EAGLE head, kept/reached per draft position\n" + side_by_side(found))
+    ours = found["transformers"].speculative.token_ids
+    for name, c in found.items():
+        assert c.speculative.token_ids == c.baseline.token_ids == ours, name
+    counts = {name: position_counts(c.speculative.steps[1:]) for name, c in found.items()}
+    assert sum(k for _, k in counts["transformers"]) > 0 and len(counts["vllm"]) == len(counts["transformers"])
+    extra = [(v[0] - o[0], v[1] - o[1]) for v, o in zip(counts["vllm"], counts["transformers"])]
+    assert all(d in ((0, 0), (1, 0), (1, 1)) for d in extra), counts  # vLLM's last step past max_tokens, as above
+    assert found["vllm"].environment["speculative_config"] | {"model": ""} == {
+        "method": "eagle3", "parallel_drafting": True, "num_speculative_tokens": GAMMA, "model": ""}
+    with pytest.raises(UserError, match="llama.cpp b11434 has no P-EAGLE drafting") as refused:
+        settings("llama.cpp", "peagle", heads).validate()
+    assert refused.value.field == "drafter" and "transformers or vLLM backend" in str(refused.value)
 
 
 def test_llama_cpp_runs_the_weights_the_other_backends_load_when_a_dtype_is_named(heads):

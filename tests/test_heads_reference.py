@@ -7,8 +7,9 @@ trainer's 2048-token sliding window.
 
 Variants: EAGLE-3 as the trainer makes it by default (every layer sliding at 2048, norm_before_residual,
 norm_before_fc, norm_output, reduced draft vocabulary), EAGLE-3 with full attention and no norm flags, DFlash as the
-trainer makes it by default (sliding at 2048, causal block), DFlash with full attention and a non-causal block; and an
-EAGLE-3 and a DFlash head written by SpecArena.
+trainer makes it by default (sliding at 2048, causal block), DFlash with full attention and a non-causal block, P-EAGLE
+as the trainer makes it by default (sliding at 2048, no norm flags, reduced vocabulary) and with full attention and
+norm_before_residual / norm_before_fc; and an EAGLE-3, a DFlash and a P-EAGLE head written by SpecArena.
 
 In CI (CI=true) a missing reference environment fails the module; elsewhere it is skipped with the reason.
 """
@@ -42,6 +43,9 @@ BUILT = {
     "dflash-full-non-causal": {"kind": "dflash", "seed": 4, "flags": {
         "num_layers": 2, "mask_token_id": 3, "full_attention_indices": [0, 1], "sliding_window_non_causal": True,
         "target_layer_ids": [3, 6]}},
+    "peagle-trainer-default": {"kind": "peagle", "seed": 7, "flags": {"draft_vocab_size": 200, "mask_token_id": 3}},
+    "peagle-full-attention-norms": {"kind": "peagle", "seed": 8, "flags": {
+        "full_attention_indices": [0], "norm_before_residual": True, "norm_before_fc": True, "mask_token_id": 5}},
 }  # fmt: skip
 
 
@@ -89,7 +93,9 @@ def oracle(tmp_path_factory):
     states = [hidden_states(target, ids) for ids in cases]
     ours = {"ours-eagle3": random_head(target, "eagle3", draft_vocab=150, norm_before_residual=True,
                                        norm_before_fc=True, seed=5),
-            "ours-dflash": random_head(target, "dflash", layers=2, block_size=8, mask_token_id=3, seed=6)}  # fmt: skip
+            "ours-dflash": random_head(target, "dflash", layers=2, block_size=8, mask_token_id=3, seed=6),
+            "ours-peagle": random_head(target, "peagle", draft_vocab=150, norm_before_residual=True, mask_token_id=3,
+                                       seed=9)}  # fmt: skip
     for head in ours.values():
         with torch.no_grad():
             for name, p in head.named_parameters():
@@ -124,7 +130,8 @@ def our_drafts(head, vocab: int, ids: list[int], states: torch.Tensor) -> tuple[
             tokens = drafter.propose(ids, GAMMA, GREEDY, torch.Generator()).tokens
     finally:
         hook.remove()
-    rows = [seen[0][-1]] + [s[-1] for s in seen[1:]] if head.config.kind == "eagle3" else list(seen[0])
+    kind = head.config.kind  # EAGLE-3: a pass per draft; P-EAGLE: one over the real and mask rows; DFlash: a block
+    rows = [seen[0][-1]] + [s[-1] for s in seen[1:]] if kind == "eagle3" else list(seen[0][-GAMMA:])
     return tokens, torch.stack(rows).float() * head.config.logit_scale
 
 
@@ -148,7 +155,7 @@ def test_a_head_the_reference_builds_drafts_here_what_it_drafts_there(oracle, na
     assert agree == steps and worst < 1e-4, (name, agree, steps, worst)
 
 
-@pytest.mark.parametrize("name", ["ours-eagle3", "ours-dflash"])
+@pytest.mark.parametrize("name", ["ours-eagle3", "ours-dflash", "ours-peagle"])
 def test_a_head_specarena_writes_loads_in_the_reference_and_drafts_the_same(oracle, name):
     agree, steps, worst = agreement(oracle, name)
     assert agree == steps and worst < 1e-4, (name, agree, steps, worst)
@@ -165,4 +172,7 @@ def test_the_reference_heads_are_read_as_the_reference_made_them(oracle):
     d, full = c["dflash-trainer-default"], c["dflash-full-non-causal"]
     assert d.windows == (WINDOW, WINDOW) and d.causal == (True, True)
     assert full.windows == (0, 0) and full.causal == (False, False)
+    p, pn = c["peagle-trainer-default"], c["peagle-full-attention-norms"]
+    assert p.kind == "peagle" and p.windows == (WINDOW,) and not p.norm_before_residual and p.mask_token_id == 3
+    assert pn.windows == (0,) and pn.norm_before_residual and pn.norm_before_fc and pn.mask_token_id == 5
     assert len(oracle["cases"][-1]) - 1 > WINDOW  # the last contexts reach past the window

@@ -35,9 +35,10 @@ from engine.worker import in_thread
 
 UNKNOWN = -1  # the id of a draft token vLLM rejected: it reports how many, not which
 START_TIMEOUT = float(os.environ.get("SPECARENA_VLLM_START_TIMEOUT", "600"))
-# drafters -> vLLM speculative_config methods; heads (eagle3, dflash) get the head's folder as their model
+# drafters -> vLLM speculative_config methods; heads (eagle3, peagle, dflash) get the head's folder as their model;
+# a P-EAGLE head is vLLM's eagle3 with parallel drafting (its speculators adapter, update_peagle, does the same)
 METHODS = {"prompt-lookup": "ngram", "draft-model": "draft_model", "synthetic": "ngram", "suffix": "suffix",
-           "eagle3": "eagle3", "dflash": "dflash", "mtp": "mtp"}  # fmt: skip
+           "eagle3": "eagle3", "peagle": "eagle3", "dflash": "dflash", "mtp": "mtp"}  # fmt: skip
 TAKES_MODEL = ("draft_model", "eagle3", "dflash", "mtp")  # methods whose speculative_config names a model
 # What a vLLM server's log says as it starts (vLLM 0.32, CPU and CUDA), in order: the last line that matches one
 # of these is the phase it is in. Before the first, it is importing (10-15 s on a CPU).
@@ -84,6 +85,8 @@ def speculative_config(s: Settings, draft_location: str | None) -> dict:
         config |= {"prompt_lookup_max": s.ngram, "prompt_lookup_min": 1}
     if draft_location and method in TAKES_MODEL:
         config["model"] = draft_location
+    if s.drafter == "peagle":
+        config["parallel_drafting"] = True
     if s.drafter == "synthetic":
         # vLLM accepts draft position i with an unconditional probability: alpha^i when each is alpha given the
         # ones before it, as our synthetic drafter does

@@ -49,7 +49,7 @@ from engine.settings import MAX_GAMMA
 class HeadConfig:
     """What a head is, whatever layout it was published in (engine.models.heads reads the layouts)."""
 
-    kind: str  # "eagle3" | "dflash"
+    kind: str  # "eagle3" | "dflash" | "peagle" (P-EAGLE: EAGLE-3's layers, drafting every position in one pass)
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -75,12 +75,17 @@ class HeadConfig:
     causal: tuple[bool, ...] = ()  # per layer, DFlash: whether the block is causal (empty: none is)
     logit_scale: float = 1.0  # the draft logits are multiplied by it (vLLM's `logit_scale`)
     block_size: int = 0  # DFlash: tokens per block, the first being the last verified token
-    mask_token_id: int = 0  # DFlash: the token that fills the block after it
+    mask_token_id: int = 0  # DFlash: the token that fills the block after it; P-EAGLE: the mask rows' token
     verifier: str = ""  # the target the head was trained for, where its config says
     proposed_gamma: int = 0  # the draft length its config proposes (speculators' speculative_tokens), 0: none
     layout: str = ""  # the layout it was read from: eagle3-original | speculators-eagle3 | dflash | speculators-dflash
     refused: tuple[str, ...] = ()  # fields of its config SpecArena does not run, by name: loading refuses the head
     note: str = ""  # where the references disagree on this head, which one it follows
+
+    @property
+    def eagle(self) -> bool:
+        """EAGLE-3's layers (a first layer 2H wide, reading the token and the feature): EAGLE-3 and P-EAGLE."""
+        return self.kind in ("eagle3", "peagle")
 
     @property
     def feature_size(self) -> int:
@@ -226,8 +231,8 @@ def attend(q, keys, values, mask: torch.Tensor | None = None) -> torch.Tensor:
 
 
 class Head(nn.Module):
-    """The weights of a head, EAGLE-3 or DFlash, and its forward passes. `embed` (and for DFlash `lm_head`) are the
-    target's, unless the head ships its own."""
+    """The weights of a head, EAGLE-3, P-EAGLE or DFlash, and its forward passes. `embed` (and for DFlash
+    `lm_head`) are the target's, unless the head ships its own."""
 
     def __init__(self, c: HeadConfig):
         super().__init__()
@@ -240,7 +245,9 @@ class Head(nn.Module):
                                          for _ in c.layers)  # fmt: skip
         if c.kind == "dflash":
             self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.layers = nn.ModuleList(HeadLayer(c, wide=c.kind == "eagle3" and i == 0) for i in range(c.num_layers))
+        self.layers = nn.ModuleList(HeadLayer(c, wide=c.eagle and i == 0) for i in range(c.num_layers))
+        if c.kind == "peagle":  # the feature of a mask row, in the concatenated features' space (fused as theirs)
+            self.mask_hidden = nn.Parameter(torch.zeros(1, 1, c.feature_size))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.embed_tokens: nn.Embedding | None = None  # set by attach: the head's own, or the target's
         self.lm_head: nn.Linear | None = None
@@ -522,3 +529,36 @@ class DFlash(HeadDrafter):
             tokens.append(token)
             probs.append(q)
         return Draft(tokens, None if cfg.greedy else torch.stack(probs), passes=1)
+
+
+class PEagle(HeadDrafter):
+    """P-EAGLE (parallel EAGLE-3) drafting: one pass of EAGLE-3's layers over the rows the target kept, the last
+    pairing the newest token with the feature before it, then γ - 1 mask rows (the mask token, the learnt
+    `mask_hidden` feature) at the positions after: every row attends causally, and the last real row and the mask
+    rows propose the γ drafts at once (speculators' PEagleDraftModel; vLLM's `parallel_drafting`). The mask rows'
+    keys are dropped before the next pass, which brings real features for the rows kept."""
+
+    name = "peagle"
+
+    def propose(self, ids, limit, cfg, generator) -> Draft:
+        gamma = min(self.gamma, limit)
+        if gamma <= 0:
+            return Draft([])
+        head, device = self.head, self.head.fc.weight.device
+        self.cache.crop(self.fed)  # the last pass's mask rows go
+        features = self._take(ids)
+        rows = features.shape[0]
+        masks = gamma - 1
+        tokens = torch.tensor(ids[self.fed + 1 : self.fed + 1 + rows] + [head.config.mask_token_id] * masks,
+                              device=device)  # fmt: skip
+        x = head.fuse(features)
+        if masks:
+            x = torch.cat((x, head.fuse(head.mask_hidden[0]).expand(masks, -1)))
+        _, logits = head.eagle3(tokens, x, self.cache)  # (rows + masks, Vd)
+        self.fed += rows
+        drafts, probs = [], []
+        for row in logits[rows - 1 :]:
+            token, q = self._choose(row, cfg, generator)
+            drafts.append(token)
+            probs.append(q)
+        return Draft(drafts, None if cfg.greedy else torch.stack(probs), passes=1)

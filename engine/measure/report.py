@@ -13,7 +13,7 @@ import json
 import shlex
 from pathlib import Path
 
-from engine.settings import BUNDLED
+from engine.settings import BUNDLED, HEADS
 
 CSV_COLUMNS = [
     "drafter", "gamma", "temperature", "category", "speedup_median", "speedup_min", "speedup_max",
@@ -84,7 +84,7 @@ def snippets(report: dict) -> dict[str, str]:
         return {"vllm": vllm_serve(s, best)}
     if s.get("backend") == "llama.cpp" and best["server_command"]:
         return {"llama.cpp": best["server_command"]}
-    if best["drafter"] in ("eagle3", "dflash"):
+    if best["drafter"] in HEADS:
         return head_snippets(s, best)
     if best["drafter"] == "suffix":  # vLLM's suffix decoding (arctic-inference); transformers and llama.cpp have none
         return {"vllm": vllm_serve(s, best)}
@@ -108,8 +108,12 @@ def snippets(report: dict) -> dict[str, str]:
 
 def head_snippets(settings: dict, best: dict) -> dict[str, str]:
     """A draft head on the engines that serve one, at the measured gamma: vLLM and SGLang load the head's folder or
-    Hub id as it is; llama.cpp converts it with its own converter first (which reads the target's HF folder)."""
+    Hub id as it is; llama.cpp converts it with its own converter first (which reads the target's HF folder). A
+    P-EAGLE head is vLLM's eagle3 with parallel drafting; SGLang and llama.cpp have no P-EAGLE."""
     target, head, gamma, method = hub_name(settings["target"]), settings["draft"], best["gamma"], best["drafter"]
+    if method == "peagle":
+        config = {"method": "eagle3", "model": head, "num_speculative_tokens": gamma, "parallel_drafting": True}
+        return {"vllm": f"vllm serve {target} --speculative-config '{json.dumps(config)}'"}
     config = {"method": method, "model": head, "num_speculative_tokens": gamma}
     algorithm = "EAGLE3" if method == "eagle3" else "DFLASH"
     topk, verified = best.get("topk", 1), gamma + 1

@@ -7,6 +7,8 @@
     dflash              z-lab's DFlash: a Qwen3Config with `block_size` and `dflash_config {mask_token_id,
                         target_layer_ids}`; no embedding, no LM head (the target's).
     speculators-dflash  speculators' dflash: `speculators_model_type: dflash`, `aux_hidden_state_layer_ids`.
+    speculators-peagle  speculators' P-EAGLE: EAGLE-3's config and weights with a `mask_token_id` and a learnt
+                        `mask_hidden` feature; its norm flags as vLLM's `update_peagle` reads them (absent: False).
 
 Layer indices. Every head here names target features as indices into transformers' `hidden_states` (0: the
 embedding output; i: the residual stream entering decoder layer i), which is what vLLM, llama.cpp, SGLang,
@@ -33,11 +35,13 @@ from pathlib import Path
 
 import torch
 
-from engine.decoding.heads import DFlash, Eagle3, Head, HeadConfig
+from engine.decoding.heads import DFlash, Eagle3, Head, HeadConfig, PEagle
 from engine.errors import UserError
 from engine.models.loading import allow_pickle, hub_folder, resolve
 
-LAYOUTS = ("speculators-eagle3", "eagle3-original", "dflash", "speculators-dflash")
+LAYOUTS = ("speculators-eagle3", "eagle3-original", "dflash", "speculators-dflash", "speculators-peagle")
+KIND_OF = {"speculators-eagle3": "eagle3", "eagle3-original": "eagle3", "dflash": "dflash",
+           "speculators-dflash": "dflash", "speculators-peagle": "peagle"}  # fmt: skip
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose layout we write
 
 
@@ -74,10 +78,10 @@ def read_config(folder: Path) -> dict:
 def layout_of(raw: dict) -> str:
     """Which published layout a head's config.json is in; a clear error when none."""
     kind = raw.get("speculators_model_type")
-    if kind in ("eagle3", "dflash"):
+    if kind in ("eagle3", "dflash", "peagle"):
         return f"speculators-{kind}"
     if kind:
-        raise UserError(f"speculators head type {kind!r} is not one SpecArena runs: eagle3 and dflash are.",
+        raise UserError(f"speculators head type {kind!r} is not one SpecArena runs: eagle3, peagle and dflash are.",
                         field="draft")  # fmt: skip
     if "dflash_config" in raw or "DFlashDraftModel" in raw.get("architectures", []):
         return "dflash"
@@ -141,7 +145,7 @@ def _attention(view: dict, kind: str, layers: int) -> tuple[tuple[int, ...], tup
     types, refused = _layer_types(view, layers), []
     window = view.get("sliding_window") or 0
     sliding = [t == "sliding_attention" for t in types] if types else [False] * layers
-    if kind == "eagle3":
+    if kind != "dflash":
         return tuple(window if s else 0 for s in sliding), (), refused
     dflash = view.get("dflash_config") or {}
     use_swa = bool(dflash.get("use_swa"))
@@ -195,6 +199,11 @@ def _refused(raw: dict, view: dict, kind: str, layout: str) -> list[str]:
             out.append("attention sink biases (`attention_sink_bias`)")
         if dflash.get("mask_token_id", raw.get("mask_token_id")) is None:
             out.append("no `mask_token_id` (the token that fills the block)")
+    if kind == "peagle":
+        if raw.get("mask_token_id") is None:
+            out.append("no `mask_token_id` (the token of the mask rows; vLLM needs it too)")
+        if raw.get("fc_norm"):  # speculators' forward norms each feature, vLLM's update_peagle drops the flag
+            out.append("`fc_norm` on a P-EAGLE head (vLLM 0.32 runs it without, speculators with)")
     return out
 
 
@@ -206,10 +215,10 @@ def head_config(raw: dict, target_config) -> HeadConfig:
     text = target_config.get_text_config()
     target_layers = text.num_hidden_layers
     hidden, heads = layer["hidden_size"], layer["num_attention_heads"]
-    kind = "dflash" if "dflash" in layout else "eagle3"
+    kind = KIND_OF[layout]
     dflash = raw.get("dflash_config") or {}
     eagle = raw.get("eagle_config") or {}
-    if layout == "speculators-eagle3":
+    if layout in ("speculators-eagle3", "speculators-peagle"):
         layers = raw.get("eagle_aux_hidden_state_layer_ids") or eagle3_layers(target_layers)
     elif layout == "eagle3-original":
         layers = eagle.get("eagle_aux_hidden_state_layer_ids") or eagle3_layers(target_layers)
@@ -309,7 +318,7 @@ def doctor_checks(spec: str, target_spec: str, target_config, gamma: int | None 
         checks.append(("draft length", "note" if other else "ok", detail))
     with torch.device("meta"):
         params = sum(p.numel() for p in Head(c).parameters())
-    return checks, params + (c.draft_vocab_size or 0) * c.hidden_size * (c.kind == "eagle3")
+    return checks, params + (c.draft_vocab_size or 0) * c.hidden_size * c.eagle
 
 
 def _model_name(spec: str) -> str:
@@ -429,7 +438,7 @@ def own_parameters(head: Head) -> int:
     shared = {id(p) for p in head.embed_tokens.parameters()}
     params = {id(p): p.numel() for name, p in head.named_parameters(remove_duplicate=False)
               if not name.startswith(("embed_tokens.", "lm_head.")) and id(p) not in shared}  # fmt: skip
-    if head.config.kind == "eagle3" or head.d2t is not None:  # its own LM head (also a CPU-path linear)
+    if head.config.eagle or head.d2t is not None:  # its own LM head (also a CPU-path linear)
         params[id(head.lm_head)] = head.lm_head.out_features * head.lm_head.in_features
     return sum(params.values())
 
@@ -451,7 +460,8 @@ def describe(head: Head) -> str:
     c = head.config
     vocab = head.lm_head.out_features
     what = (f"{c.num_layers}-layer EAGLE-3 head, draft vocabulary {vocab}" if c.kind == "eagle3"
-            else f"{c.num_layers}-layer DFlash head, blocks of {c.block_size}")  # fmt: skip
+            else f"{c.num_layers}-layer P-EAGLE head (all drafts in one pass), draft vocabulary {vocab}"
+            if c.kind == "peagle" else f"{c.num_layers}-layer DFlash head, blocks of {c.block_size}")  # fmt: skip
     params = own_parameters(head)
     return (f"{what}, reads target layers {list(c.layers)}, {attention(c)}, {params / 1e6:.1f}M parameters "
             f"({c.layout} layout)")  # fmt: skip
@@ -469,6 +479,8 @@ def drafter_for(head: Head, vocab_size: int, gamma: int, adaptive: bool = False,
     """The Drafter that runs this head (an EAGLE-3 head drafts a tree with topk > 1, sized by the verify `costs`)."""
     if head.config.kind == "eagle3":
         return Eagle3(head, vocab_size, gamma, adaptive, topk, costs)
+    if head.config.kind == "peagle":
+        return PEagle(head, vocab_size, gamma, adaptive)
     return DFlash(head, vocab_size, gamma, adaptive)
 
 
@@ -501,7 +513,7 @@ def write_head(
     c = head.config
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}")
-    if ("dflash" in layout) != (c.kind == "dflash"):
+    if KIND_OF[layout] != c.kind:
         raise ValueError(f"a {c.kind} head cannot be written in the {layout} layout")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -509,7 +521,7 @@ def write_head(
              and not k.startswith(("embed_tokens.", "lm_head."))}  # fmt: skip
     draft_vocab = head.lm_head.out_features
     reduced = head.d2t is not None
-    if c.kind == "eagle3" or reduced:
+    if c.eagle or reduced:
         state["lm_head.weight"] = linear_weight(head.lm_head)
     if reduced:
         state["d2t"] = head.d2t - torch.arange(draft_vocab, device=head.d2t.device)
@@ -522,16 +534,18 @@ def write_head(
                               "verifier_accept_k": 1, "accept_tolerance": 0.0}],
         "verifier": {"name_or_path": verifier, "architectures": [verifier_arch]},
     }  # fmt: skip
-    if layout == "speculators-eagle3":
+    if layout in ("speculators-eagle3", "speculators-peagle"):
         state["embed_tokens.weight"] = head.embed_tokens.weight
+        peagle = layout == "speculators-peagle"
         config = {
-            "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "architectures": ["PEagleSpeculator" if peagle else "Eagle3Speculator"],
+            "speculators_model_type": c.kind,
             "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": _layer_dict(c, "llama"),
             "draft_vocab_size": draft_vocab, "target_hidden_size": c.target_hidden_size or None,
             "norm_before_residual": c.norm_before_residual, "norm_before_fc": c.norm_before_fc,
             "fc_norm": c.fc_norm, "norm_output": c.norm_output, "embed_requires_grad": False,
             "eagle_aux_hidden_state_layer_ids": list(c.layers), "speculators_config": speculators,
-        }  # fmt: skip
+        } | ({"mask_token_id": c.mask_token_id} if peagle else {})  # fmt: skip
     elif layout == "eagle3-original":
         if c.norm_before_residual or c.norm_before_fc or c.fc_norm or c.norm_output or c.num_layers != 1:
             raise ValueError("SafeAILab's layout has one layer and none of the norm options")
@@ -574,7 +588,7 @@ def random_head(target, kind: str = "eagle3", draft_vocab: int = 0, layers: int 
                 mask_token_id: int = 0, seed: int = 0, **flags) -> Head:  # fmt: skip
     """A head with random layers for `target` (tests, and the forge's starting point): the target's layer shape,
     its embedding, and for EAGLE-3 an LM head of the target's rows for a draft vocabulary of `draft_vocab` ids
-    (0: the whole vocabulary)."""
+    (0: the whole vocabulary; P-EAGLE alike, with a random `mask_hidden`)."""
     text = target.config.get_text_config()
     p = next(target.parameters())
     heads, depth = text.num_attention_heads, text.num_hidden_layers
@@ -584,17 +598,20 @@ def random_head(target, kind: str = "eagle3", draft_vocab: int = 0, layers: int 
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
         intermediate_size=text.intermediate_size, rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
         vocab_size=text.vocab_size,
-        layers=eagle3_layers(depth) if kind == "eagle3" else dflash_layers(depth, layers),
-        draft_vocab_size=draft_vocab if kind == "eagle3" else 0, hidden_act=getattr(text, "hidden_act", "silu"),
+        layers=dflash_layers(depth, layers) if kind == "dflash" else eagle3_layers(depth),
+        draft_vocab_size=0 if kind == "dflash" else draft_vocab, hidden_act=getattr(text, "hidden_act", "silu"),
         rope={"rope_theta": (getattr(text, "rope_parameters", None) or {}).get("rope_theta", 10000.0)},
         max_position_embeddings=getattr(text, "max_position_embeddings", 2048), qk_norm=kind == "dflash",
         block_size=block_size if kind == "dflash" else 0, mask_token_id=mask_token_id,
-        layout="speculators-eagle3" if kind == "eagle3" else "speculators-dflash", **flags,
+        layout=f"speculators-{kind}", **flags,
     )  # fmt: skip
     torch.manual_seed(seed)
     head = Head(c).to(p.device, p.dtype)
     head.embed_tokens = target.get_input_embeddings()
-    if kind == "eagle3":
+    if kind == "peagle":
+        with torch.no_grad():
+            head.mask_hidden.normal_()  # speculators starts it at torch.randn too
+    if c.eagle:
         out = linear_weight(target.get_output_embeddings())
         keep = torch.arange(draft_vocab or c.vocab_size, device=p.device)
         head.lm_head = torch.nn.Linear(c.hidden_size, keep.numel(), bias=False, device=p.device, dtype=p.dtype)

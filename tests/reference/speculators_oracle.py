@@ -8,8 +8,9 @@ speculators' own training path (variant name -> trainer flags) and folders of he
 `SpeculatorModel.from_pretrained`. Every head, built or loaded, drafts greedily after every context with the
 reference's own modules (embedding, fc and its norms, decoder layers, rotary, final norm, LM head, d2t); the attention
 masks follow vLLM 0.32: a sliding layer lets a row at position p see positions above p - W, a DFlash block is causal
-per layer as the head's config says. Writes, per head, the draft ids and the draft logits of every step
-(`OUT/<name>.safetensors`) and a summary (`OUT/result.json`).
+per layer as the head's config says, a P-EAGLE pass is causal over the real rows and the mask rows after them (at
+inference every rollout is the newest anchor's: speculators' peagle mask reduces to causal). Writes, per head, the
+draft ids and the draft logits of every step (`OUT/<name>.safetensors`) and a summary (`OUT/result.json`).
 
 Nothing here imports SpecArena: the reference stands on its own.
 """
@@ -25,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from speculators import SpeculatorModel
 from speculators.models.dflash import DFlashDraftModel
 from speculators.models.eagle3 import Eagle3DraftModel
+from speculators.models.peagle import PEagleDraftModel
 from speculators.train.cli import create_transformer_layer_config
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
@@ -36,7 +38,7 @@ def build(kind: str, target: str, flags: dict, seed: int):
     mapping, from_training_args); norms made non-trivial so that every norm flag matters."""
     torch.manual_seed(seed)
     layer_config = create_transformer_layer_config(
-        target, flags.get("num_layers", 1), "llama" if kind == "eagle3" else "qwen3", None,
+        target, flags.get("num_layers", 1), "qwen3" if kind == "dflash" else "llama", None,
         flags.get("sliding_window", 2048), flags.get("full_attention_indices", []),
     )  # fmt: skip
     vocab = layer_config.vocab_size
@@ -51,6 +53,12 @@ def build(kind: str, target: str, flags: dict, seed: int):
         model = Eagle3DraftModel.from_training_args(
             layer_config, t2d=t2d, d2t=d2t, ttt_steps=3, norm_before_residual=flags.get("norm_before_residual", True),
             norm_before_fc=flags.get("norm_before_fc", True), norm_output=flags.get("norm_output", True), **common,
+        )  # fmt: skip
+    elif kind == "peagle":
+        model = PEagleDraftModel.from_training_args(
+            layer_config, t2d=t2d, d2t=d2t, mask_token_id=flags.get("mask_token_id", 3), num_depths=4,
+            norm_before_residual=flags.get("norm_before_residual", False),
+            norm_before_fc=flags.get("norm_before_fc", False), **common,
         )  # fmt: skip
     else:
         model = DFlashDraftModel.from_training_args(
@@ -123,6 +131,36 @@ def eagle3_draft(model, ids: torch.Tensor, features: torch.Tensor, gamma: int):
     return drafts, torch.stack(logits_out)
 
 
+def _fused(model, features: torch.Tensor) -> torch.Tensor:
+    """(1, rows, n x H) concatenated target features -> (1, rows, H), through the head's norms and fc."""
+    x = features
+    if model.input_norm is not None:
+        x = model.input_norm(x)
+    if model.fc_norm is not None:
+        x = torch.cat([n(c) for n, c in zip(model.fc_norm, x.chunk(len(model.fc_norm), -1))], -1)
+    return model.fc(x)
+
+
+def peagle_draft(model, ids: torch.Tensor, features: torch.Tensor, gamma: int):
+    """One pass over the real rows (token t+1 with the feature of position t) and gamma - 1 mask rows after them
+    (the mask token with the learnt mask_hidden feature, as PEagleDraftModel.forward builds a rollout's rows); the
+    last real row and the mask rows propose the gamma drafts."""
+    n, masks = features.shape[0], gamma - 1
+    hidden = torch.cat((features[None], model.mask_hidden.expand(1, masks, -1)), 1)
+    x = _fused(model, hidden)  # (1, n + masks, H)
+    tokens = torch.tensor(ids[1:].tolist() + [model.mask_token_id] * masks)[None]
+    h = torch.cat((model.embed_tokens(tokens), x), -1)
+    positions = torch.arange(n + masks)
+    cos_sin = model.rotary_emb(h, positions[None])
+    for i, layer in enumerate(model.layers):
+        allowed = positions[None, :] <= positions[:, None]
+        if _window(model, i):
+            allowed &= positions[None, :] > positions[:, None] - _window(model, i)
+        h = layer(h, attention_mask=_mask(allowed), position_ids=positions[None], position_embeddings=cos_sin)
+    logits = model.lm_head(model.norm(h))[0, n - 1 :]  # (gamma, Vd)
+    return [int(_target_ids(model, row.argmax())) for row in logits], logits
+
+
 def dflash_draft(model, ids: torch.Tensor, features: torch.Tensor, gamma: int):
     """One block [last token, mask x gamma] after the context: gamma drafts from its mask rows."""
     config = model.config
@@ -160,13 +198,15 @@ def main(job_path: str) -> None:
         heads[name] = (spec["kind"], load(str(out / "heads" / name)))  # what a user of the saved head gets
     for name, folder in job.get("load", {}).items():
         model = load(folder)
-        heads[name] = ("eagle3" if isinstance(model, Eagle3DraftModel) else "dflash", model)
+        kind = ("peagle" if isinstance(model, PEagleDraftModel) else "eagle3" if isinstance(model, Eagle3DraftModel)
+                else "dflash")  # fmt: skip
+        heads[name] = (kind, model)
     summary = {}
     for name, (kind, model) in heads.items():
-        draft = eagle3_draft if kind == "eagle3" else dflash_draft
+        draft = {"eagle3": eagle3_draft, "peagle": peagle_draft, "dflash": dflash_draft}[kind]
         tensors, drafts = {}, []
-        layers = (model.config.eagle_aux_hidden_state_layer_ids if kind == "eagle3"
-                  else model.config.aux_hidden_state_layer_ids)  # fmt: skip
+        layers = (model.config.aux_hidden_state_layer_ids if kind == "dflash"
+                  else model.config.eagle_aux_hidden_state_layer_ids)  # fmt: skip
         for c in range(count):
             ids = cases[f"ids.{c}"]
             features = torch.cat([hidden[f"hidden.{c}"][i] for i in layers], -1).float()  # (n - 1, len(layers) x H)
