@@ -121,10 +121,12 @@ class Settings:
         if self.drafter == "draft-model" and not self.draft.strip():
             bad("draft", "is empty, and the draft-model drafter needs one: name it, or pick prompt lookup.")
         if self.drafter in HEADS and not self.draft.strip():
+            forge = ("one made by the speculators trainer (the forge makes EAGLE-3 and DFlash heads)"
+                     if self.drafter == "peagle" else "forge one in the Lab tab's Forge (`python -m engine forge` on "
+                     "the command line)")  # fmt: skip
             raise UserError(f"the {HEAD_NAMES[self.drafter]} drafter needs a head: name its folder or Hub id in the "
-                            "draft field (a preset, or the page's list of heads for this target, fills it), or forge "
-                            "one in the Lab tab's Forge (`python -m engine forge` on the command line).",
-                            field="draft")  # fmt: skip
+                            "draft field (a preset, or the page's list of heads for this target, fills it), or "
+                            f"{forge}.", field="draft")  # fmt: skip
         if not 1 <= self.gamma <= MAX_GAMMA:
             bad("gamma", f"{self.gamma} is out of range: use a whole number from 1 to {MAX_GAMMA}.")
         cap = max_new_tokens_cap()
