@@ -386,11 +386,11 @@ def beside_head(cfg: ForgeConfig, held_ids: list[str]) -> dict | None:
     the forge that made it held out other prompts: its training prompts could be among the ones measured here."""
     if not cfg.beside:
         return None
-    from engine.models.heads import head_folder, layout_of, read_config
+    from engine.models.heads import KIND_OF, head_folder, layout_of, read_config
 
     folder = head_folder(cfg.beside)
     config = read_config(folder)
-    kind = "dflash" if "dflash" in layout_of(config) else "eagle3"
+    kind = KIND_OF[layout_of(config)]  # a P-EAGLE head beside is run as one, not as an EAGLE-3 chain
     report = folder / "forge-report.json"
     forged = json.loads(report.read_text()) if report.is_file() else {}
     if forged and forged.get("prompts", {}).get("held_out_ids") != held_ids:
