@@ -143,8 +143,9 @@ def test_a_forged_head_loads_and_runs_lossless(forged):
     assert f"- proposed gamma {chain}:" in card and f'"num_speculative_tokens":{chain}' in card
     tree = f" --topk {fastest['topk']}" if fastest["topk"] > 1 else ""
     assert f"--gamma {fastest['gamma']}{tree} --prompt" in card and "| eagle3, tree top-3 | 1 |" in card
-    assert head_of(summary, cfg.out) | {"folder": ""} == {"target": cfg.target, "folder": "", "config_gamma": chain,
-                                                          "gamma": fastest["gamma"], "topk": fastest["topk"]}
+    assert head_of(summary, cfg.out) | {"folder": ""} == {"target": cfg.target, "kind": "eagle3", "folder": "",
+                                                          "config_gamma": chain, "gamma": fastest["gamma"],
+                                                          "topk": fastest["topk"]}  # fmt: skip
 
 
 def test_held_out_prompts_are_never_generated_on(forged):
