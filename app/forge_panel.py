@@ -26,6 +26,7 @@ from engine import policy
 from engine.errors import UserError, blame
 from engine.forge import DATA_DTYPES, KINDS
 from engine.measure import promptsets
+from engine.settings import HEAD_NAMES
 
 HELP = """Train an **EAGLE-3** or a **DFlash head** for the target on this machine, from the target's own answers to
 the prompts below (the prompt set above when one is loaded, else the chosen task categories; its held-out share,
@@ -37,10 +38,9 @@ under the SpecArena cache; naming an existing forge folder resumes it. The same 
 FIELDS = {"forge_target": "target", "forge_minutes": "minutes", "forge_out": "output folder",
           "forge_pays": "measure whether it pays", "forge_data": "data passes in", "forge_general": "general prompts",
           "forge_hold_all": "measure on every prompt", "forge_kind": "head kind"}  # fmt: skip
-# the head kinds (ForgeConfig.kind) as the choice shows them, and as the Playground's drafter names them
+# the head kinds (ForgeConfig.kind) as the choice shows them (the Playground's drafter names them: HEAD_NAMES)
 KIND_LABELS = {"eagle3": "EAGLE-3: a chain, one one-layer step a token",
                "dflash": "DFlash: a block of drafts in one pass"}  # fmt: skip
-KIND_NAMES = {"eagle3": "EAGLE-3 head", "dflash": "DFlash head"}
 # the data passes' dtype (ForgeConfig.data_dtype, engine.forge.pipeline.DATA_DTYPES) as the dropdown shows them
 DATA_LABELS = {"target": "the target's own dtype", "bfloat16": "bfloat16 (a copy)", "float16": "float16 (a copy)"}
 # the Lab's fields the forge reads (its prompt set and task categories): marked under them, as the sweep does
@@ -327,7 +327,7 @@ def verdict_markdown(summary: dict, folder: str, stopped: bool) -> str:
                      f"--draft {folder} --gamma {gammas} --suite {folder}/held-out.jsonl`")  # fmt: skip
     if pays:
         lines.append(f"Does it pay: {pays['verdict']}")
-    lines.append(f"Take it to the Playground with the button below (drafter {KIND_NAMES[head['kind']]}, draft = this "
+    lines.append(f"Take it to the Playground with the button below (drafter {HEAD_NAMES[head['kind']]}, draft = this "
                  "folder).")
     return "\n\n".join(lines)
 
@@ -401,7 +401,7 @@ def filled_note(head: dict) -> str:
     gamma = f", γ {head['gamma']}" if head.get("gamma") else ""
     tree = f", tree width {head.get('topk') or 1}"
     target = f"target {head['target']}, " if head.get("target") else ""
-    return (f"filled from the forged head: {target}drafter {KIND_NAMES[head.get('kind') or 'eagle3']}, draft "
+    return (f"filled from the forged head: {target}drafter {HEAD_NAMES[head.get('kind') or 'eagle3']}, draft "
             f"{head['folder']}{gamma}{tree}; press "
             "Run to try it.")  # fmt: skip
 

@@ -18,8 +18,6 @@ from engine.errors import UserError
 from engine.models.heads import KIND_OF, layout_of
 from engine.settings import BUNDLED
 
-KIND_OF_LAYOUT = KIND_OF
-
 
 @dataclass(frozen=True)
 class Offered:
@@ -42,7 +40,7 @@ def _forged(folder: Path, kind: str) -> Offered | None:
     folder that is not a head)."""
     try:
         config = json.loads((folder / "config.json").read_text())
-        if KIND_OF_LAYOUT.get(layout_of(config)) != kind:
+        if KIND_OF.get(layout_of(config)) != kind:
             return None
     except (OSError, ValueError, UserError):
         return None
@@ -76,7 +74,7 @@ def preset_heads(target: str, kind: str) -> list[Offered]:
 def offered(target: str, kind: str, root: Path | None = None) -> list[Offered]:
     """Every head offered for `target` and a drafter of `kind`: forged ones first (newest first), then presets'.
     Empty for a drafter that takes no head."""
-    if kind not in KIND_OF_LAYOUT.values():
+    if kind not in KIND_OF.values():
         return []
     return forged_heads(target, kind, root) + preset_heads(target, kind)
 

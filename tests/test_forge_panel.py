@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import gradio as gr
 import pytest
 
+from engine.settings import HEAD_NAMES
 from tests.conftest import byte_tokenizer, tiny_llama
 from tests.test_app import plain
 
@@ -70,7 +71,7 @@ def test_a_forge_streams_its_progress_and_ends_with_the_pays_table(panel, kind):
     assert folder.name.startswith("forge-target-")
     # "use this head": the Playground's target, drafter, draft and the proposed γ; the app may read it back
     assert forge_panel.use_head(head)[:3] == (target, kind, str(folder))
-    assert f"(drafter {forge_panel.KIND_NAMES[kind]}, draft = this folder)" in verdict
+    assert f"(drafter {HEAD_NAMES[kind]}, draft = this folder)" in verdict
     from engine import policy
 
     assert policy.app_model(str(folder)) == str(folder)

@@ -540,6 +540,10 @@ class PEagle(HeadDrafter):
 
     name = "peagle"
 
+    def reset(self) -> None:
+        super().reset()
+        self.mask_row = self.head.fuse(self.head.mask_hidden[0])  # (1, hidden): every mask row's fused feature
+
     def propose(self, ids, limit, cfg, generator) -> Draft:
         gamma = min(self.gamma, limit)
         if gamma <= 0:
@@ -553,7 +557,7 @@ class PEagle(HeadDrafter):
                               device=device)  # fmt: skip
         x = head.fuse(features)
         if masks:
-            x = torch.cat((x, head.fuse(head.mask_hidden[0]).expand(masks, -1)))
+            x = torch.cat((x, self.mask_row.expand(masks, -1)))
         _, logits = head.eagle3(tokens, x, self.cache)  # (rows + masks, Vd)
         self.fed += rows
         drafts, probs = [], []

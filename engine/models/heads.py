@@ -39,9 +39,10 @@ from engine.decoding.heads import DFlash, Eagle3, Head, HeadConfig, PEagle
 from engine.errors import UserError
 from engine.models.loading import allow_pickle, hub_folder, resolve
 
-LAYOUTS = ("speculators-eagle3", "eagle3-original", "dflash", "speculators-dflash", "speculators-peagle")
+# each layout's head kind
 KIND_OF = {"speculators-eagle3": "eagle3", "eagle3-original": "eagle3", "dflash": "dflash",
            "speculators-dflash": "dflash", "speculators-peagle": "peagle"}  # fmt: skip
+LAYOUTS = tuple(KIND_OF)
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose layout we write
 
 
@@ -78,7 +79,7 @@ def read_config(folder: Path) -> dict:
 def layout_of(raw: dict) -> str:
     """Which published layout a head's config.json is in; a clear error when none."""
     kind = raw.get("speculators_model_type")
-    if kind in ("eagle3", "dflash", "peagle"):
+    if f"speculators-{kind}" in KIND_OF:
         return f"speculators-{kind}"
     if kind:
         raise UserError(f"speculators head type {kind!r} is not one SpecArena runs: eagle3, peagle and dflash are.",
