@@ -61,8 +61,9 @@ def test_lean_logits_equal_the_models_own_to_the_bit(build, dtype):
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2], ids=["llama-gqa", "qwen2-bias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_projections_joined_in_one_call_give_the_same_logits_to_the_bit(build, dtype):
-    """Where a layer's linears run our kernel (engine.models.native), the lean pass calls q/k/v and gate/up as one
-    each: every pass's logits equal those of the same layers called one by one."""
+    """Where a layer's linears run our kernel (engine.models.native) and the layers run in torch operations (the fused
+    pass off: tests/test_fused.py has it), the lean pass calls q/k/v and gate/up as one each: every pass's logits
+    equal those of the same layers called one by one."""
     from engine.models.cpu import join, wrap_linears
     from tests.test_engine import own_kernel
 
@@ -71,6 +72,7 @@ def test_projections_joined_in_one_call_give_the_same_logits_to_the_bit(build, d
     for layer in wrap_linears(lean, ("stock", "own")):
         layer.keep_only(("own",))
     assert lean.lean.join(join) == lean.config.num_hidden_layers
+    lean.lean.stack = None
     with torch.inference_mode():
         joined, apart = new_cache(lean, 60), new_cache(lean, 60)
         for ids, keep in PASSES:

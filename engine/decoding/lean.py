@@ -27,6 +27,7 @@ strict mode's static cache, compiled passes) the model's own forward runs.
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import torch
@@ -39,6 +40,10 @@ ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
 def enabled() -> bool:
     return os.environ.get("SPECARENA_LEAN", "1") != "0"
+
+
+def fused_enabled() -> bool:
+    return os.environ.get("SPECARENA_FUSED", "1") != "0"
 
 
 def supported(model) -> bool:
@@ -93,6 +98,14 @@ class LeanCache:
             for new, old in zip(keys + values, self.keys + self.values):
                 new[:, :, : self.length] = old[:, :, : self.length]
         self.keys, self.values, self.capacity = keys, values, capacity
+        self._pointers = None
+
+    def pointers(self):
+        """Each layer's keys and values as ctypes arrays of pointers, for the fused pass (native.Stack)."""
+        if self._pointers is None:
+            array = ctypes.c_void_p * self.layers
+            self._pointers = (array(*(t.data_ptr() for t in self.keys)), array(*(t.data_ptr() for t in self.values)))
+        return self._pointers
 
     def make_room(self, length: int) -> None:
         if length > self.capacity:
@@ -142,6 +155,8 @@ class LeanDecoder(torch.nn.Module):
         self.inv_freq = rotary.inv_freq.to(torch.float32)
         self.rotary_scale = rotary.attention_scaling
         self.joined: list[tuple] = []  # per layer: (q/k/v, gate/up) as one call each, or None (see join)
+        self.stack = None  # every layer as one call of our kernels, where they all run ours (see join)
+        self._roles: list = []  # a layer 0 linear of each weight role: which form a pass of n rows runs
 
     def join(self, join) -> int:
         """Once the linear layers have their forms, make each layer's q, k and v projections one call of our kernel,
@@ -150,7 +165,66 @@ class LeanDecoder(torch.nn.Module):
         layers = self.model[0].model.layers
         self.joined = [(join([a.q_proj, a.k_proj, a.v_proj]), join([m.gate_proj, m.up_proj]))
                        for a, m in ((layer.self_attn, layer.mlp) for layer in layers)]  # fmt: skip
-        return sum(qkv is not None for qkv, _ in self.joined)
+        count = sum(qkv is not None for qkv, _ in self.joined)
+        self.stack = self._stack() if count == len(layers) and fused_enabled() else None
+        return count
+
+    def _stack(self):
+        """Every layer as one call of kernels/layers.cpp (engine.models.native.Stack), where each layer's products run
+        our kernel under the same tables as layer 0's and the MLP is SiLU-gated; else None."""
+        from engine.models import native
+
+        model = self.model[0]
+        config, layers = model.config, model.model.layers
+        if getattr(config, "hidden_act", None) not in ("silu", "swish"):
+            return None
+        roles = lambda layer: (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.down_proj)  # noqa: E731
+        first = roles(layers[0])
+        for layer in layers:
+            for ours, lead in zip(roles(layer), first):
+                if getattr(ours, "_own", None) is None or (ours.table, ours.pad) != (lead.table, lead.pad):
+                    return None
+        lib = first[0]._own.lib
+        specs = [{"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+                  "qkv": qkv.rows, "o": layer.self_attn.o_proj._own, "gate_up": gate_up.rows,
+                  "down": layer.mlp.down_proj._own} for layer, (qkv, gate_up) in zip(layers, self.joined)]  # fmt: skip
+        shape = {"hidden": config.hidden_size, "heads": config.num_attention_heads, "head_dim": self.head_dim,
+                 "kv_heads": config.num_key_value_heads, "intermediate": layers[0].mlp.down_proj.in_features,
+                 "eps": self.eps, "scale": self.scaling}  # fmt: skip
+        self._roles = list(first)
+        return native.Stack(specs, shape, lib)
+
+    def fused_words(self) -> str:
+        """"; whole layers in our kernels for every pass" (or for which passes), "" where none run fused."""
+        from engine.models.cpu import PAD_ROWS
+
+        sizes = self.fused_sizes(PAD_ROWS)
+        if not sizes:
+            return ""
+        if sizes == list(range(1, PAD_ROWS + 1)):
+            return "; whole layers in our kernels for every pass"
+        spans: list[list[int]] = []
+        for n in sizes:
+            if spans and spans[-1][1] == n - 1:
+                spans[-1][1] = n
+            else:
+                spans.append([n, n])
+        words = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
+        return f"; whole layers in our kernels for passes of {words} row{'s' if sizes != [1] else ''}"
+
+    def fused_sizes(self, most: int) -> list[int]:
+        """The pass sizes up to `most` rows that run as one call."""
+        return [n for n in range(1, most + 1) if self._fused(n)]
+
+    def _fused(self, rows: int) -> bool:
+        """Whether a pass of `rows` rows runs as one call: every weight role's form for it is our kernel."""
+        if self.stack is None:
+            return False
+        for layer in self._roles:
+            size = layer.pad[rows] if rows < len(layer.pad) else rows
+            if layer.table[min(size, len(layer.table) - 1)] != "own":
+                return False
+        return True
 
     def forward(self, input_ids: torch.Tensor, cache: LeanCache, keep: int = 0, layers: tuple[int, ...] = (),
                 tree: list[int] | None = None):  # fmt: skip
@@ -175,6 +249,23 @@ class LeanDecoder(torch.nn.Module):
             if rows > 1 and past:
                 mask = (torch.arange(total) <= torch.arange(past, total)[:, None])[None, None]  # (1, 1, rows, total)
         cos, sin = self._rotary(positions, x.dtype)  # (1, 1, rows, D)
+        if self._fused(rows):
+            x = self._run_stack(x, cache, past, cos, sin, mask, layers, taken)
+        else:
+            x = self._run_layers(x, cache, past, cos, sin, mask, layers, taken)
+        cache.length = total
+        last = len(model.model.layers)
+        if last in layers:  # transformers' last hidden state is after the final norm
+            taken[last] = _rms(x, model.model.norm.weight, self.eps)[0]
+        x = x[:, -keep:] if keep else x
+        logits = model.lm_head(_rms(x, model.model.norm.weight, self.eps))[0]
+        return (logits, torch.cat([taken[i] for i in layers], -1)) if layers else logits
+
+    def _run_layers(self, x, cache: LeanCache, past: int, cos, sin, mask, layers, taken) -> torch.Tensor:
+        """The layers in torch operations, transformers' arithmetic in transformers' order; x: (1, rows, E) in, out."""
+        model = self.model[0]
+        rows = x.shape[1]
+        total = past + rows
         for i, layer in enumerate(model.model.layers):
             if i in layers:
                 taken[i] = x[0]  # the residual stream entering layer i (x is rebound, never written in place)
@@ -195,13 +286,24 @@ class LeanDecoder(torch.nn.Module):
             h = _rms(x, layer.post_attention_layernorm.weight, self.eps)
             gate, up = (gate_up and gate_up(h)) or (mlp.gate_proj(h), mlp.up_proj(h))
             x = x + mlp.down_proj(mlp.act_fn(gate) * up)
-        cache.length = total
-        last = len(model.model.layers)
-        if last in layers:  # transformers' last hidden state is after the final norm
-            taken[last] = _rms(x, model.model.norm.weight, self.eps)[0]
-        x = x[:, -keep:] if keep else x
-        logits = model.lm_head(_rms(x, model.model.norm.weight, self.eps))[0]
-        return (logits, torch.cat([taken[i] for i in layers], -1)) if layers else logits
+        return x
+
+    def _run_stack(self, x, cache: LeanCache, past: int, cos, sin, mask, layers, taken) -> torch.Tensor:
+        """Every layer as one call of our kernels (kernels/layers.cpp), or one call per stretch between the layers
+        whose input states are asked for; x: (1, rows, E) in, out."""
+        dtype, count = x.dtype, self.stack.count
+        h = x[0].to(torch.float32, copy=True).contiguous()  # the kernel keeps the residual stream in float32
+        cos, sin = cos[0, 0].to(torch.float32).contiguous(), sin[0, 0].to(torch.float32).contiguous()
+        mask = None if mask is None else mask[0, 0].to(torch.uint8).contiguous()
+        keys, values = cache.pointers()
+        start = 0
+        for stop in sorted({i for i in layers if 0 <= i < count} | {count}):
+            if stop > start:
+                self.stack(h, start, stop, past, cos, sin, mask, keys, values, cache.capacity)
+            if stop in layers:
+                taken[stop] = h.to(dtype, copy=True)
+            start = stop
+        return h.to(dtype)[None]
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and the signed sin of `positions` (float32), as LlamaRotaryEmbedding computes them."""

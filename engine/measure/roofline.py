@@ -11,7 +11,8 @@ from engine.models.bandwidth import bound, kernel_rates, limit, measure_bandwidt
 def roofline(target: str, dtype: str = "float32", device: str = "auto", rows=(1, 2, 3, 5, 8), progress=print) -> dict:
     """Everything `python -m engine roofline` prints: the limit, each kernel's GB/s over the model's linear weights
     (float32 or bfloat16 on CPU), and whole passes as the engine runs them (lean forward, the forms chosen for this
-    CPU) and as transformers runs them (the model's own forward, stock layers: what generate() runs), per pass size."""
+    CPU; again with its layers in torch operations where they run fused) and as transformers runs them (the model's
+    own forward, stock layers: what generate() runs), per pass size."""
     from engine.decoding.runtime import time_passes
     from engine.models.cpu import NAMES, device_name
     from engine.models.loading import MODELS
@@ -26,11 +27,21 @@ def roofline(target: str, dtype: str = "float32", device: str = "auto", rows=(1,
                for form, rates in kernel_rates(plain.model, rows).items()}  # fmt: skip
     reads.append(measure_bandwidth(ours.device))
     passes = {}
-    for name, loaded in (("SpecArena (as loaded)", ours), ("transformers forward, stock", plain)):
+    stack = getattr(getattr(ours.model, "lean", None), "stack", None)
+    runs = [("SpecArena (as loaded)", ours, stack)]
+    if stack is not None:  # the same pass with its layers in torch operations: what fusing them buys
+        runs.append(("SpecArena, layers in torch ops", ours, None))
+    runs.append(("transformers forward, stock", plain, None))
+    for name, loaded, fused in runs:
+        if stack is not None:
+            ours.model.lean.stack = fused
         with torch.inference_mode():
             took = time_passes(loaded.model, tuple(rows), repeats=5)
         passes[name] = {"tok_s": 1 / took[rows[0]], "cost": {str(n): took[n] / took[rows[0]] for n in rows},
                         "ms": {str(n): took[n] * 1000 for n in rows}}  # fmt: skip
+    if stack is not None:
+        ours.model.lean.stack = stack
+    reads.append(measure_bandwidth(ours.device))
     now = max(reads)
     return {"target": target, "dtype": str(ours.dtype).replace("torch.", ""), "device_name": device_name(ours.device),
             "threads": torch.get_num_threads(), "linear_forms": ours.linear_forms, "rows": list(rows),

@@ -413,9 +413,10 @@ def _load(
         forms = choose_forms(model, f"{shape_key(model)}|{dtype}", cache_dir() / "cpu-forms.json",
                              lambda message: progress(f"{source.spec}: {message}"))  # fmt: skip
     reformed = sum(set(layer.table) != {"stock"} for layer in forms["layers"])
-    if lean and forms["layers"]:
-        model.lean.join(join)  # q/k/v and gate/up as one call each where they run our kernel
     linear_forms = forms["linear_forms"] if device.type == "cpu" else ""
+    if lean and forms["layers"]:
+        model.lean.join(join)  # q/k/v and gate/up as one call each where they run our kernel; layers fused
+        linear_forms += model.lean.fused_words()
     with torch.inference_mode():  # what one decode step costs right now: the yardstick for suspect runs
         step_s = time_passes(model, (1,))[1]
     read_bandwidth(device, measure=True)  # the bound beside tok/s: the best read seen here (a fraction of a second)

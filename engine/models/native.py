@@ -26,8 +26,10 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("kernels") / "rows.cpp"
-FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+KERNELS = Path(__file__).with_name("kernels")
+SOURCES = [KERNELS / "rows.cpp", KERNELS / "layers.cpp"]  # one library; both include rows.h
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-strict-aliasing", "-fopenmp", "-shared", "-fPIC",
+         "-std=c++17"]  # fmt: skip
 BUILD_TIMEOUT = 300  # seconds; a 2-core machine under load takes a few
 
 _loaded: dict[str, object] = {}  # "lib": the ctypes library or None, "why": the reason when None
@@ -41,7 +43,8 @@ def _library_path(cxx: str, cpu: str) -> Path:
     from engine.settings import cache_dir
 
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
-    digest = hashlib.sha1("\n".join([SOURCE.read_text(), " ".join(FLAGS), version, cpu]).encode()).hexdigest()
+    texts = [path.read_text() for path in sorted(KERNELS.iterdir())]
+    digest = hashlib.sha1("\n".join([*texts, " ".join(FLAGS), version, cpu]).encode()).hexdigest()
     return cache_dir() / "kernels" / f"rows-{digest[:12]}.so"
 
 
@@ -56,7 +59,7 @@ def build(cxx: str, cpu: str) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not path.is_file():
             tmp = path.with_name(f"{path.stem}.{os.getpid()}.so")
-            done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
+            done = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True,
                                   timeout=BUILD_TIMEOUT)  # fmt: skip
             if done.returncode:
                 tmp.unlink(missing_ok=True)
@@ -84,6 +87,10 @@ def library(cpu: str):
                 kernel.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
                 kernel.restype = None
             lib.rows_lanes.restype = ctypes.c_int
+            for kernel in (lib.layers_f32, lib.layers_bf16):
+                kernel.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                   ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2  # fmt: skip
+                kernel.restype = None
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
             lib, why = None, f"not built: {error}"
     _loaded.update(lib=lib, why=why, name=name)
@@ -176,3 +183,48 @@ def join(members: list[Rows]) -> Rows | None:
         start += m.out_features
     joined.sizes = [m.out_features for m in members]
     return joined
+
+
+class _Layer(ctypes.Structure):  # kernels/layers.cpp's Layer
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)] + [
+        field for name in ("qkv", "o", "gate_up", "down")
+        for field in ((name, ctypes.c_void_p), (f"{name}_bias", ctypes.c_void_p), (f"{name}_nb", ctypes.c_int))
+    ]  # fmt: skip
+
+
+class _Shape(ctypes.Structure):  # kernels/layers.cpp's Shape
+    _fields_ = [(name, ctypes.c_int) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float)]  # fmt: skip
+
+
+class Stack:
+    """A Llama-family decoder's layers as one call of kernels/layers.cpp (engine.decoding.lean's fused pass): each
+    layer's norms (float32 copies) and its q/k/v, o, gate/up and down products packed for the kernel (`Rows`, q/k/v
+    and gate/up joined), with the shapes. Holds references to every tensor it points to."""
+
+    def __init__(self, layers: list[dict], shape: dict, lib):
+        self.dtype = layers[0]["qkv"].weight_dtype
+        self.kernel = lib.layers_bf16 if self.dtype == torch.bfloat16 else lib.layers_f32
+        self.count, self.hidden, self.head_dim = len(layers), shape["hidden"], shape["head_dim"]
+        self._kept = []
+        self.layers = (_Layer * len(layers))()
+        for out, layer in zip(self.layers, layers):
+            norms = [layer[name].detach().to(torch.float32).contiguous() for name in ("input_norm", "post_norm")]
+            self._kept += norms
+            out.input_norm, out.post_norm = norms[0].data_ptr(), norms[1].data_ptr()
+            for name in ("qkv", "o", "gate_up", "down"):
+                rows = layer[name]
+                setattr(out, name, rows.weight.data_ptr())
+                setattr(out, f"{name}_bias", None if rows.bias is None else rows.bias.data_ptr())
+                setattr(out, f"{name}_nb", rows.blocks)
+                self._kept.append(rows)
+        self.shape = _Shape(**shape)
+
+    def __call__(self, x: torch.Tensor, first: int, last: int, past: int, cos: torch.Tensor, sin: torch.Tensor,
+                 mask: torch.Tensor | None, keys, values, capacity: int) -> None:
+        """Run layers first..last-1 over x ([rows, hidden] float32, contiguous, written in place); cos and sin:
+        [rows, head_dim] float32; mask: [rows, past + rows] uint8 or None (causal); keys, values: ctypes arrays of
+        each layer's cache pointers ([kv heads, capacity, head_dim] of the model's dtype)."""
+        self.kernel(self.layers, first, last, ctypes.byref(self.shape), x.data_ptr(), x.shape[0], past,
+                    cos.data_ptr(), sin.data_ptr(), None if mask is None else mask.data_ptr(), keys, values, capacity,
+                    torch.get_num_threads())  # fmt: skip

@@ -1,144 +1,21 @@
-// y[r, n] = sum_k x[r, k] * w[n, k] (+ b[n]) for the few rows of a decode or verify pass, at the speed memory reads
-// the weight. The weight is held packed, [tiles][k][NB * V]: a tile's NB * V outputs sit side by side in vector lanes
-// and a thread reads its tiles as one stream. Every output's sum runs over k in order, whatever the number of rows,
-// so a verify pass rounds exactly like a one-token pass.
-//
-// float32 and bfloat16 weights alike: a bfloat16 weight is widened to float32 in registers (exact: its 16 bits are
-// float32's upper half), the sums run in float32 as oneDNN's do, and each output is rounded to bfloat16 once, to
-// nearest even. Half the bytes to read, so twice the tokens/s at the same bandwidth.
-#include <cstddef>
-#include <cstdint>
-#include <cstring>
-#include <type_traits>
+// One linear layer's product for the few rows of a pass (engine.models.native.Rows): the kernel is in rows.h.
 #include <vector>
 
-#if defined(__AVX512F__)
-constexpr int V = 16, REGS = 32;
-#else
-constexpr int V = 8, REGS = 16;  // AVX2
-#endif
-// rows read together from one tile: NB * R sums, R inputs and a weight vector in registers, at most 6 (a verify pass
-// of 5 draft tokens and its bonus row reads every weight once)
-template <int NB> constexpr int rows_at_once() { return (REGS - 1) / (NB + 1) < 6 ? (REGS - 1) / (NB + 1) : 6; }
-typedef float vf __attribute__((vector_size(V * sizeof(float))));
-typedef uint16_t vh __attribute__((vector_size(V * sizeof(uint16_t))));
-typedef uint32_t vu __attribute__((vector_size(V * sizeof(uint32_t))));
-struct bf16 { uint16_t bits; };
-
-static inline vf load(const float *p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
-static inline vf load(const bf16 *p) {
-    vh h;
-    std::memcpy(&h, p, sizeof h);
-    vu u = __builtin_convertvector(h, vu) << 16;
-    vf v;
-    std::memcpy(&v, &u, sizeof v);
-    return v;
-}
-static inline float widen(float v) { return v; }
-static inline float widen(bf16 v) {
-    uint32_t u = (uint32_t)v.bits << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-}
-static inline void put(float *p, float v) { *p = v; }
-static inline void put(bf16 *p, float v) {  // round to nearest even, as torch does; a NaN stays a (quiet) NaN
-    uint32_t u;
-    std::memcpy(&u, &v, sizeof u);
-    p->bits = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)((u >> 16) | 0x40) : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
-}
-
-template <typename T, int NB, int R>
-static inline void tile(const float *x, const T *wt, const float *b, T *y, int r0, int n0, int k, int n) {
-    vf acc[NB][R];
-#pragma GCC unroll 16
-    for (int j = 0; j < NB; j++)
-#pragma GCC unroll 16
-        for (int r = 0; r < R; r++) acc[j][r] = vf{};
-    const float *xs = x + (size_t)r0 * k;
-    for (int i = 0; i < k; i++) {
-        vf xb[R];
-#pragma GCC unroll 16
-        for (int r = 0; r < R; r++) xb[r] = vf{} + xs[(size_t)r * k + i];
-        const T *wi = wt + (size_t)i * NB * V;
-        if constexpr (std::is_same_v<T, bf16> && NB % 2 == 0) {
-            // bfloat16 tiles of an even number of vectors are packed in pairs: lane m of a 32-bit load holds output m
-            // of one vector in its low half and of the next in its high half, so one shift and one mask widen both
-#pragma GCC unroll 16
-            for (int j = 0; j < NB; j += 2) {
-                vu u;
-                std::memcpy(&u, wi + j * V, sizeof u);
-                vu low = u << 16, high = u & 0xffff0000u;
-                vf w0, w1;
-                std::memcpy(&w0, &low, sizeof w0);
-                std::memcpy(&w1, &high, sizeof w1);
-                asm("" : "+v"(w0), "+v"(w1));
-#pragma GCC unroll 16
-                for (int r = 0; r < R; r++) {
-                    acc[j][r] += w0 * xb[r];
-                    acc[j + 1][r] += w1 * xb[r];
-                }
-            }
-        } else {
-#pragma GCC unroll 16
-            for (int j = 0; j < NB; j++) {
-                vf wv = load(wi + j * V);
-                asm("" : "+v"(wv));  // held in a register: folded into each FMA, it was loaded R times (load-port bound)
-#pragma GCC unroll 16
-                for (int r = 0; r < R; r++) acc[j][r] += wv * xb[r];
-            }
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        T *yr = y + (size_t)(r0 + r) * n + n0;
-        for (int j = 0; j < NB; j++) {
-            vf s = acc[j][r];
-            if (b) s += load(b + n0 + j * V);  // b is padded like the weight
-            for (int l = 0; l < V && n0 + j * V + l < n; l++) put(yr + j * V + l, s[l]);
-        }
-    }
-}
-
-template <typename T, int NB, int R>
-static inline void rows_of(const float *x, const T *wt, const float *b, T *y, int r0, int left, int n0, int k, int n) {
-    if constexpr (R > 1) if (left < R) return rows_of<T, NB, R - 1>(x, wt, b, y, r0, left, n0, k, n);
-    tile<T, NB, R>(x, wt, b, y, r0, n0, k, n);
-}
-
-template <typename T, int NB>
-static void run(const float *x, const T *w, const float *b, T *y, int rows, int k, int n, int threads) {
-    constexpr int RB = rows_at_once<NB>();
-    const int tiles = (n + NB * V - 1) / (NB * V);
-    const int blocks = (rows + RB - 1) / RB;  // each tile is read once per block of rows, blocks as even as can be
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int t = 0; t < tiles; t++) {
-        const T *wt = w + (size_t)t * k * NB * V;
-        for (int block = 0, r0 = 0; block < blocks; block++) {
-            const int size = (rows - r0) / (blocks - block);
-            rows_of<T, NB, RB>(x, wt, b, y, r0, size, t * NB * V, k, n);
-            r0 += size;
-        }
-    }
-}
-
-template <typename T>
-static void any(const float *x, const T *w, const float *b, T *y, int rows, int k, int n, int nb, int threads) {
-    if (nb == 4) run<T, 4>(x, w, b, y, rows, k, n, threads);
-    else if (nb == 2) run<T, 2>(x, w, b, y, rows, k, n, threads);
-    else run<T, 1>(x, w, b, y, rows, k, n, threads);
-}
+#include "rows.h"
 
 extern "C" int rows_lanes() { return V; }
 
 // w packed by the caller as [tiles][k][nb * V] (outputs padded with zeros to whole tiles), b (float32) padded the same
 extern "C" void rows_f32(const float *x, const float *w, const float *b, float *y, int rows, int k, int n, int nb,
                          int threads) {
-    any(x, w, b, y, rows, k, n, nb, threads);
+#pragma omp parallel num_threads(threads)
+    product(x, w, b, y, rows, k, n, nb);
 }
 
 extern "C" void rows_bf16(const bf16 *x, const bf16 *w, const float *b, bf16 *y, int rows, int k, int n, int nb,
                           int threads) {
     std::vector<float> wide((size_t)rows * k);  // the inputs widened once, not once per tile
     for (size_t i = 0; i < wide.size(); i++) wide[i] = widen(x[i]);
-    any(wide.data(), w, b, y, rows, k, n, nb, threads);
+#pragma omp parallel num_threads(threads)
+    product(wide.data(), w, b, y, rows, k, n, nb);
 }

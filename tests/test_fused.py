@@ -1,0 +1,123 @@
+"""The fused pass (engine.decoding.lean with kernels/layers.cpp): every layer as one call of our kernels. Each row of a
+prompt, verify or tree pass rounds exactly like the one-token passes of the baseline (float32 and bfloat16), the
+logits are the model's own to float32 rounding (bfloat16: as near float32 as transformers' bfloat16 pass is), and
+greedy speculative runs give the baseline's ids and HF generate()'s."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.decoding.drafters import DraftModel, PromptLookup
+from engine.decoding.runtime import forward, new_cache
+from tests.conftest import tiny_llama
+from tests.test_engine import PROMPTS, hf_generate, own_kernel, prompt_ids, run_baseline, run_spec
+from tests.test_lean import PASSES, lean_copy, tiny_qwen2
+from tests.test_tree import PARENTS, TOKENS
+
+BUILDS = pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2], ids=["llama-gqa", "qwen2-bias"])
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+
+
+def fused_copy(model, dtype=torch.float32):
+    """A lean copy of `model` whose linears run our kernel only, joined, its layers one call."""
+    from engine.models.cpu import join, wrap_linears
+
+    own_kernel()
+    lean = lean_copy(model, dtype)
+    for layer in wrap_linears(lean, ("stock", "own")):
+        layer.keep_only(("own",))
+    assert lean.lean.join(join) == lean.config.num_hidden_layers and lean.lean.stack is not None
+    return lean
+
+
+def one_by_one(model, context, tokens, layers=()):
+    """The logits (and asked-for states) of each token fed alone after `context`: what a baseline computes."""
+    cache = new_cache(model, 64)
+    forward(model, context, cache)
+    outs = [forward(model, [token], cache, layers=layers) for token in tokens]
+    if layers:
+        return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+    return torch.cat(outs)
+
+
+@BUILDS
+@DTYPES
+def test_every_row_of_a_fused_pass_rounds_like_one_token_passes(build, dtype):
+    model = fused_copy(build(), dtype)
+    context, tokens, layers = list(range(40, 70)), [5, 6, 7, 8, 9, 10], (0, 1, 2)
+    with torch.inference_mode():
+        alone, alone_states = one_by_one(model, context, tokens, layers)
+        # a verify pass of all six rows
+        cache = new_cache(model, 64)
+        forward(model, context, cache)
+        logits, states = forward(model, tokens, cache, layers=layers)
+        assert torch.equal(logits, alone) and torch.equal(states, alone_states)
+        # a prompt pass: its last rows are those tokens after the context, computed in the same pass
+        logits = forward(model, context + tokens, new_cache(model, 64))
+        assert torch.equal(logits[len(context) :], alone)
+        # a tree pass: each node's row is the last row of its branch fed alone
+        cache = new_cache(model, 64)
+        forward(model, context, cache)
+        tree = forward(model, [5] + TOKENS, cache, tree=PARENTS)
+        for node, parent in enumerate(PARENTS):
+            path, at = [node], parent
+            while at >= 0:
+                path.insert(0, at)
+                at = PARENTS[at]
+            branch = one_by_one(model, context, [5] + [TOKENS[i] for i in path])
+            assert torch.equal(tree[node + 1], branch[-1]), node
+
+
+@BUILDS
+@DTYPES
+def test_a_fused_pass_computes_the_models_own_forward(build, dtype):
+    """float32: the model's own logits to float32 rounding. bfloat16: rounding there is coarse, so the fused pass must
+    sit as near the float32 model as transformers' own bfloat16 forward does."""
+    models = {"float32": build(), "own": build().to(dtype), "fused": fused_copy(build(), dtype)}
+    off = {"own": [], "fused": []}  # each pass's mean distance from the float32 model's logits
+    with torch.inference_mode():
+        caches = {name: new_cache(model, 60) for name, model in models.items()}
+        for ids, keep in PASSES:
+            if isinstance(ids, int):
+                for cache in caches.values():
+                    cache.crop(ids)
+                continue
+            out = {name: forward(model, ids, caches[name], keep=keep).float() for name, model in models.items()}
+            if dtype == torch.float32:
+                torch.testing.assert_close(out["fused"], out["own"], rtol=1e-4, atol=1e-4)
+            for name, distances in off.items():
+                distances.append((out[name] - out["float32"]).abs().mean())
+    if dtype != torch.float32:
+        assert torch.stack(off["fused"]).mean() <= 1.5 * torch.stack(off["own"]).mean()
+
+
+@DTYPES
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_fused_speculative_equals_fused_baseline(llama_pair, dtype, gamma):
+    """Greedy speculative runs over fused passes give the baseline's ids in both dtypes, and HF generate()'s in
+    float32."""
+    target, draft, tok = llama_pair
+    fused_target, fused_draft = fused_copy(target, dtype), fused_copy(draft, dtype)
+    for ids in (prompt_ids(tok, text) for text in PROMPTS[:2]):
+        base = run_baseline(fused_target, tok, ids, 40).token_ids
+        if dtype == torch.float32:
+            assert base == hf_generate(target, ids, 40)
+        for drafter in (DraftModel(fused_draft, 384), PromptLookup(max_ngram=3)):
+            assert run_spec(fused_target, tok, ids, drafter, gamma, 40).token_ids == base, drafter.name
+
+
+def test_the_fused_pass_runs_only_where_every_product_runs_our_kernel(monkeypatch):
+    from engine.models.cpu import join, wrap_linears
+
+    own_kernel()
+    lean = lean_copy(tiny_llama())
+    for layer in wrap_linears(lean, ("stock", "own")):
+        layer.keep_only(("stock", "own"))
+        layer.use(("own", "own", "stock"))  # one row our kernel, two and more stock layers
+    lean.lean.join(join)
+    assert lean.lean._fused(1) and not lean.lean._fused(2) and not lean.lean._fused(9)
+    assert lean.lean.fused_sizes(4) == [1] and lean.lean.fused_words().endswith("for passes of 1 row")
+    monkeypatch.setenv("SPECARENA_FUSED", "0")
+    lean.lean.join(join)
+    assert lean.lean.stack is None and not lean.lean._fused(1)
