@@ -627,20 +627,24 @@ def cmd_roofline(args) -> int:
 
 
 def roofline_table(data: dict) -> str:
-    """The bound, then each kernel's GB/s over the model's linear weights and the engine's passes, per pass size."""
+    """The bound, then each kernel's GB/s over the model's linear weights and the engine's passes, per pass size, each
+    set against the read bandwidth measured just around it."""
     rows, top = data["rows"], data["limit"]
     lines = [f"{data['target']} ({data['dtype']}) on {data['device_name']}, {data['threads']} threads: "
-             f"{top['token_mb']:.0f} MB of weights per token; read bandwidth {top['now_gbs']:.1f} GB/s beside these "
-             f"timings (best seen here {top['read_gbs']:.1f}): bound {top['now_bound_tok_s']:.1f} tok/s "
-             f"(at best {top['bound_tok_s']:.1f})",
-             f"{'GB/s of linear weights, at rows':34}" + "".join(f"{n:>8}" for n in rows) + "  (1 row, % of read)"]
+             f"{top['token_mb']:.0f} MB of weights per token; read bandwidth {top['low_gbs']:.1f}-{top['now_gbs']:.1f} "
+             f"GB/s around these timings (best seen here {top['read_gbs']:.1f}, bound {top['bound_tok_s']:.1f} tok/s)",
+             f"{'GB/s of linear weights, at rows':34}" + "".join(f"{n:>8}" for n in rows)
+             + "  (1 row, % of the read around it)"]  # fmt: skip
     for name, rates in data["kernels"].items():
+        read = data["reads"][name]
         lines.append(f"  {name:32}" + "".join(f"{rates[str(n)]:>8.1f}" for n in rows)
-                     + f"  ({rates[str(rows[0])] / top['now_gbs']:.0%})")  # fmt: skip
-    lines.append(f"{'one-token pass, tok/s (% of bound beside it, of the best); k rows: cost in one-token passes':34}")
+                     + f"  ({rates[str(rows[0])] / read:.0%} of {read:.1f})")  # fmt: skip
+    lines.append("one-token pass, tok/s (% of the bound at the read around it, of the best); k rows: cost in one-token "
+                 "passes")  # fmt: skip
     for name, passes in data["passes"].items():
         one = passes["tok_s"]
-        lines.append(f"  {name:32}{one:>8.1f} ({one / top['now_bound_tok_s']:.0%}, {one / top['bound_tok_s']:.0%})  "
+        lines.append(f"  {name:32}{one:>8.1f} ({one / passes['bound_tok_s']:.0%} of {passes['bound_tok_s']:.1f}, "
+                     f"{one / top['bound_tok_s']:.0%})  "
                      + "  ".join(f"{n}: {passes['cost'][str(n)]:.2f}" for n in rows if n > 1))  # fmt: skip
     return "\n".join(lines)
 

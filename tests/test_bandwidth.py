@@ -53,12 +53,18 @@ def test_the_roofline_sets_each_kernel_beside_the_bandwidth_read_in_the_same_min
     assert set(data["kernels"]) == {NAMES[form] for form in measurable()}
     assert all(rates[n] > 0 for rates in data["kernels"].values() for n in ("1", "2", "3"))
     top = data["limit"]
-    assert 0 < top["now_gbs"] <= top["read_gbs"]  # the best ever seen is remembered with this run's reads in it
+    assert 0 < top["low_gbs"] <= top["now_gbs"] <= top["read_gbs"]  # the best ever seen includes this run's reads
     assert abs(top["now_bound_tok_s"] / top["bound_tok_s"] - top["now_gbs"] / top["read_gbs"]) < 0.01
+    assert set(data["reads"]) == set(data["kernels"])  # each kernel beside a read of its own
     for passes in data["passes"].values():
         assert passes["cost"]["1"] == 1.0 and passes["tok_s"] > 0
-    printed = capsys.readouterr().out
-    beside = f"read bandwidth {top['now_gbs']:.1f} GB/s beside these timings (best seen here {top['read_gbs']:.1f})"
-    assert beside in printed
+        assert top["low_gbs"] <= passes["read_gbs"] <= top["now_gbs"]
+        assert abs(passes["bound_tok_s"] / top["bound_tok_s"] - passes["read_gbs"] / top["read_gbs"]) < 0.01
+    printed = capsys.readouterr().out.splitlines()
+    assert f"read bandwidth {top['low_gbs']:.1f}-{top['now_gbs']:.1f} GB/s around these timings" in printed[0]
     for name, rates in data["kernels"].items():
-        assert f"({rates['1'] / top['now_gbs']:.0%})" in next(line for line in printed.splitlines() if name in line)
+        read = data["reads"][name]
+        assert f"({rates['1'] / read:.0%} of {read:.1f})" in next(line for line in printed if name in line)
+    for name, passes in data["passes"].items():
+        share = f"({passes['tok_s'] / passes['bound_tok_s']:.0%} of {passes['bound_tok_s']:.1f}"
+        assert share in next(line for line in printed if name in line)

@@ -21,11 +21,12 @@ def roofline(target: str, dtype: str = "float32", device: str = "auto", rows=(1,
     ours = MODELS.get(target, dtype, device, progress=progress)
     progress("timing each kernel over the model's weight shapes, then whole passes")
     # the memory of a shared machine reads at another rate from one minute to the next (a 2-core EPYC: 30-71 GB/s),
-    # so the bandwidth is also read beside the kernels, before and after them: the fraction that means something
-    reads = [measure_bandwidth(ours.device)]
+    # so the bandwidth is read just before and just after each kernel's and each pass's timing, and each figure is
+    # set against the mean of those two reads: the fraction that means something
+    beside: dict[str, float] = {}
     kernels = {NAMES[form]: {str(n): rate for n, rate in rates.items()}
-               for form, rates in kernel_rates(plain.model, rows).items()}  # fmt: skip
-    reads.append(measure_bandwidth(ours.device))
+               for form, rates in kernel_rates(plain.model, rows, reads=beside).items()}  # fmt: skip
+    reads = {NAMES[form]: round(gbs / 1e9, 1) for form, gbs in beside.items()}
     passes = {}
     stack = getattr(getattr(ours.model, "lean", None), "stack", None)
     runs = [("SpecArena (as loaded)", ours, stack)]
@@ -35,16 +36,20 @@ def roofline(target: str, dtype: str = "float32", device: str = "auto", rows=(1,
     for name, loaded, fused in runs:
         if stack is not None:
             ours.model.lean.stack = fused
+        before = measure_bandwidth(ours.device)
         with torch.inference_mode():
             took = time_passes(loaded.model, tuple(rows), repeats=5)
+        read = (before + measure_bandwidth(ours.device)) / 2
         passes[name] = {"tok_s": 1 / took[rows[0]], "cost": {str(n): took[n] / took[rows[0]] for n in rows},
-                        "ms": {str(n): took[n] * 1000 for n in rows}}  # fmt: skip
+                        "ms": {str(n): took[n] * 1000 for n in rows}, "read_gbs": round(read / 1e9, 1),
+                        "bound_tok_s": round(bound(ours.token_bytes, read), 1)}  # fmt: skip
     if stack is not None:
         ours.model.lean.stack = stack
-    reads.append(measure_bandwidth(ours.device))
-    now = max(reads)
+    every = list(reads.values()) + [p["read_gbs"] for p in passes.values()]
+    low, now = min(every) * 1e9, max(every) * 1e9
     return {"target": target, "dtype": str(ours.dtype).replace("torch.", ""), "device_name": device_name(ours.device),
             "threads": torch.get_num_threads(), "linear_forms": ours.linear_forms, "rows": list(rows),
             "limit": limit(ours.token_bytes, ours.device)
-            | {"now_gbs": round(now / 1e9, 1), "now_bound_tok_s": round(bound(ours.token_bytes, now), 1)},
-            "kernels": kernels, "passes": passes}  # fmt: skip
+            | {"now_gbs": round(now / 1e9, 1), "now_bound_tok_s": round(bound(ours.token_bytes, now), 1),
+               "low_gbs": round(low / 1e9, 1)},
+            "kernels": kernels, "reads": reads, "passes": passes}  # fmt: skip

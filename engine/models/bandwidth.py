@@ -101,10 +101,12 @@ def words(env: dict) -> str:
     return f"bound {env['bound_tok_s']:.0f} tok/s ({env['token_mb']:.0f} MB per token at {env['read_gbs']:.1f} GB/s)"
 
 
-def kernel_rates(model, rows=(1, 2, 3, 5, 8), repeats: int = 3) -> dict[str, dict[int, float]]:
+def kernel_rates(model, rows=(1, 2, 3, 5, 8), repeats: int = 3,
+                 reads: dict | None = None) -> dict[str, dict[int, float]]:  # fmt: skip
     """{kernel: {rows: GB/s}}: the weights' bytes over the time every linear layer of the model takes in that
     kernel, layer after layer as a pass meets them (engine.models.cpu's forms, each timed alone on copies made for
-    the measurement: the model itself is left as it is). Float32 or bfloat16 on CPU; {} elsewhere."""
+    the measurement: the model itself is left as it is). Float32 or bfloat16 on CPU; {} elsewhere. `reads`, where
+    given, gets each kernel's read bandwidth beside it (bytes/s, the mean of a read just before and just after)."""
     from engine.models import cpu
 
     param = next(model.parameters())
@@ -121,8 +123,11 @@ def kernel_rates(model, rows=(1, 2, 3, 5, 8), repeats: int = 3) -> dict[str, dic
     times = {shape: {} for shape in by_shape}
     with torch.inference_mode():  # one form after another, OpenBLAS last: its threads spin a while after it ran
         for form in sorted(forms, key=lambda form: form == "blas"):
+            before = measure_bandwidth(param.device) if reads is not None else 0.0
             for shape, rates in cpu._time_shapes(by_shape, (form,), tuple(rows), repeats).items():
                 times[shape] |= rates
+            if reads is not None:
+                reads[form] = (before + measure_bandwidth(param.device)) / 2
     weight_bytes = sum(child.weight.numel() * child.weight.element_size() for child in linears)
     return {form: {n: weight_bytes / sum(times[shape][form][n] for shape in times) / 1e9 for n in rows}
             for form in forms}  # fmt: skip

@@ -33,6 +33,47 @@ template <typename W> static inline float keep(float v) {  // what a tensor of t
 }
 template <typename W> using Out = std::conditional_t<std::is_same_v<W, bf16>, bf16f, float>;
 
+typedef int32_t vi __attribute__((vector_size(V * sizeof(int32_t))));
+
+// e^x for V lanes at once (Cephes' expf: x = k ln 2 + r, |r| <= ln 2 / 2, e^r by a degree-6 polynomial; within 2 ulp
+// of the true value): a five-row pass made ~230,000 calls of the scalar expf in SiLU and the softmax
+static inline vf exp_lanes(vf x) {
+    const vf high = vf{} + 88.37626f, low = vf{} - 87.33654f;
+    x = x > high ? high : x;
+    x = x < low ? low : x;
+    const vf t = x * 1.44269504088896341f + 0.5f;
+    vi k = __builtin_convertvector(t, vi);
+    k += (t < __builtin_convertvector(k, vf));  // truncation to floor: -1 where t was negative and not whole
+    const vf kf = __builtin_convertvector(k, vf);
+    const vf r = x - kf * 0.693359375f + kf * 2.12194440e-4f;
+    vf p = vf{} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const vf y = p * r * r + r + 1.0f;
+    const vi scale = (k + 127) << 23;
+    vf two_k;
+    std::memcpy(&two_k, &scale, sizeof two_k);
+    return y * two_k;
+}
+
+// e^x of n values in place, V at a time (the tail through a padded vector: the same lanes' arithmetic)
+static void exp_all(float *x, int n) {
+    int i = 0;
+    for (; i + V <= n; i += V) {
+        vf v = exp_lanes(load(x + i));
+        std::memcpy(x + i, &v, sizeof v);
+    }
+    if (i < n) {
+        float tail[V] = {};
+        std::memcpy(tail, x + i, (n - i) * sizeof(float));
+        vf v = exp_lanes(load(tail));
+        std::memcpy(x + i, &v, (n - i) * sizeof(float));
+    }
+}
+
 static inline float dot(const float *a, const float *b, int n) {  // one order for every row
     vf acc{};
     int i = 0;
@@ -102,10 +143,12 @@ static void layers(const Layer *stack, int first, int last, const Shape &s, floa
                 score[j] = dot(q, key, D) * s.scale;
                 top = score[j] > top ? score[j] : top;
             }
+            for (int j = 0; j < end; j++) score[j] = sees && !sees[j] ? -INFINITY : score[j] - top;
+            exp_all(score, end);  // keys the row does not see are skipped below
             float sum = 0, o[512] = {};
             for (int j = 0; j < end; j++) {
                 if (sees && !sees[j]) continue;
-                const float p = std::exp(score[j] - top);
+                const float p = score[j];
                 sum += p;
                 const W *vj = v + (size_t)j * D;
                 for (int i = 0; i < D; i++) o[i] += p * widen(vj[i]);
@@ -122,10 +165,12 @@ static void layers(const Layer *stack, int first, int last, const Shape &s, floa
         }
         product(h.data(), (const W *)L.gate_up, L.gate_up_bias, (Out<W> *)gate_up.data(), rows, E, 2 * I, L.gate_up_nb);
 #pragma omp for schedule(static)
-        for (int i = 0; i < rows * I; i++) {
-            const int r = i / I, c = i % I;
-            const float g = gate_up[(size_t)r * 2 * I + c], u = gate_up[(size_t)r * 2 * I + I + c];
-            act[i] = keep<W>(keep<W>(g / (1.0f + std::exp(-g))) * u);
+        for (int r = 0; r < rows; r++) {  // SiLU(gate) * up
+            const float *g = gate_up.data() + (size_t)r * 2 * I, *u = g + I;
+            float *a = act.data() + (size_t)r * I;
+            for (int c = 0; c < I; c++) a[c] = -g[c];
+            exp_all(a, I);
+            for (int c = 0; c < I; c++) a[c] = keep<W>(keep<W>(g[c] / (1.0f + a[c])) * u[c]);
         }
         product(act.data(), (const W *)L.down, L.down_bias, (Out<W> *)out.data(), rows, I, E, L.down_nb);
 #pragma omp for schedule(static)
