@@ -20,6 +20,11 @@ is the model's own. Rotary: transformers computes q * cos + rotate_half(q) * sin
 cat(-q2, q1) and sin = cat(s, s); here the second product is roll(q) * cat(-s, s), the same products to the
 bit (negation is exact), in four operations instead of seven.
 
+Where every product of a pass runs our own kernel (engine.models.native), the layers run as one call of our kernels
+instead (`native.Stack`, kernels/layers.cpp): logits equal these to float32 rounding rather than to the bit, and every
+row of a verify, prompt or tree pass rounds exactly like a one-token pass (tests/test_fused.py); SPECARENA_FUSED=0
+keeps the torch operations.
+
 Used for Llama and Qwen2 models with full attention and a static rotary frequency (not "dynamic" or
 "longrope", which change per pass), on CPU, unless SPECARENA_LEAN=0. Elsewhere (GPU, other architectures,
 strict mode's static cache, compiled passes) the model's own forward runs.
