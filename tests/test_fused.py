@@ -22,12 +22,13 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=[
 def fused_copy(model, dtype=torch.float32):
     """A lean copy of `model` whose linears run our kernel only, joined, its layers one call."""
     from engine.models.cpu import join, wrap_linears
+    from engine.models.native import Stack
 
     own_kernel()
     lean = lean_copy(model, dtype)
     for layer in wrap_linears(lean, ("stock", "own")):
         layer.keep_only(("own",))
-    assert lean.lean.join(join) == lean.config.num_hidden_layers and lean.lean.stack is not None
+    assert lean.lean.join(join, Stack) == lean.config.num_hidden_layers and lean.lean.stack is not None
     return lean
 
 
@@ -109,15 +110,16 @@ def test_fused_speculative_equals_fused_baseline(llama_pair, dtype, gamma):
 
 def test_the_fused_pass_runs_only_where_every_product_runs_our_kernel(monkeypatch):
     from engine.models.cpu import join, wrap_linears
+    from engine.models.native import Stack
 
     own_kernel()
     lean = lean_copy(tiny_llama())
     for layer in wrap_linears(lean, ("stock", "own")):
         layer.keep_only(("stock", "own"))
         layer.use(("own", "own", "stock"))  # one row our kernel, two and more stock layers
-    lean.lean.join(join)
+    lean.lean.join(join, Stack)
     assert lean.lean._fused(1) and not lean.lean._fused(2) and not lean.lean._fused(9)
-    assert lean.lean.fused_sizes(4) == [1] and lean.lean.fused_words().endswith("for passes of 1 row")
+    assert lean.lean.fused_sizes(4) == [1] and lean.lean.fused_words(17).endswith("for passes of 1 row")
     monkeypatch.setenv("SPECARENA_FUSED", "0")
-    lean.lean.join(join)
+    lean.lean.join(join, Stack)
     assert lean.lean.stack is None and not lean.lean._fused(1)

@@ -163,22 +163,21 @@ class LeanDecoder(torch.nn.Module):
         self.stack = None  # every layer as one call of our kernels, where they all run ours (see join)
         self._roles: list = []  # a layer 0 linear of each weight role: which form a pass of n rows runs
 
-    def join(self, join) -> int:
+    def join(self, join, stack=None) -> int:
         """Once the linear layers have their forms, make each layer's q, k and v projections one call of our kernel,
         and gate and up another, where they run it (`join`: engine.models.cpu.join, given by the model's loader):
-        ~90 calls fewer in a one-token pass of the bundled model, the same bits. How many layers were joined."""
+        ~90 calls fewer in a one-token pass of the bundled model, the same bits; and with `stack`
+        (engine.models.native.Stack) every layer one call where all are joined. How many layers were joined."""
         layers = self.model[0].model.layers
         self.joined = [(join([a.q_proj, a.k_proj, a.v_proj]), join([m.gate_proj, m.up_proj]))
                        for a, m in ((layer.self_attn, layer.mlp) for layer in layers)]  # fmt: skip
         count = sum(qkv is not None for qkv, _ in self.joined)
-        self.stack = self._stack() if count == len(layers) and fused_enabled() else None
+        self.stack = self._stack(stack) if stack and count == len(layers) and fused_enabled() else None
         return count
 
-    def _stack(self):
-        """Every layer as one call of kernels/layers.cpp (engine.models.native.Stack), where each layer's products run
-        our kernel under the same tables as layer 0's and the MLP is SiLU-gated; else None."""
-        from engine.models import native
-
+    def _stack(self, stack):
+        """Every layer as one call of kernels/layers.cpp (`stack`: engine.models.native.Stack), where each layer's
+        products run our kernel under the same tables as layer 0's and the MLP is SiLU-gated; else None."""
         model = self.model[0]
         config, layers = model.config, model.model.layers
         if getattr(config, "hidden_act", None) not in ("silu", "swish"):
@@ -197,16 +196,15 @@ class LeanDecoder(torch.nn.Module):
                  "kv_heads": config.num_key_value_heads, "intermediate": layers[0].mlp.down_proj.in_features,
                  "eps": self.eps, "scale": self.scaling}  # fmt: skip
         self._roles = list(first)
-        return native.Stack(specs, shape, lib)
+        return stack(specs, shape, lib)
 
-    def fused_words(self) -> str:
-        """"; whole layers in our kernels for every pass" (or for which passes), "" where none run fused."""
-        from engine.models.cpu import PAD_ROWS
-
-        sizes = self.fused_sizes(PAD_ROWS)
+    def fused_words(self, most: int) -> str:
+        """"; whole layers in our kernels for every pass" (or for which of the sizes up to `most` rows, the longest
+        the forms are timed at), "" where none run fused."""
+        sizes = self.fused_sizes(most)
         if not sizes:
             return ""
-        if sizes == list(range(1, PAD_ROWS + 1)):
+        if sizes == list(range(1, most + 1)):
             return "; whole layers in our kernels for every pass"
         spans: list[list[int]] = []
         for n in sizes:
