@@ -359,9 +359,9 @@ def cmd_bench(args) -> int:
 
 def _runs_on(s, drafter: str) -> bool:
     """Whether `drafter` exists on the settings' backend (llama.cpp's n-gram types, vLLM's suffix, ...)."""
-    from engine.settings import LLAMA_ONLY, NOT_ON_LLAMA, VLLM_ONLY
+    from engine.settings import LLAMA_ONLY, NOT_SERVED, VLLM_ONLY
 
-    if drafter in NOT_ON_LLAMA and s.backend == "llama.cpp":
+    if drafter in NOT_SERVED.get(s.backend, {}):
         return False
     if drafter in VLLM_ONLY:
         return s.backend == "vllm"

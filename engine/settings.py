@@ -17,14 +17,18 @@ from engine.errors import UserError
 
 BUNDLED = "bundled:smollm2-135m-instruct"
 MAX_GAMMA = 16  # the longest draft: the UI's bound, adaptive gamma's ceiling, the predictor's range
-HEADS = ("eagle3", "peagle", "dflash")  # draft heads over the target's hidden states (engine.decoding.heads)
-NOT_ON_LLAMA = {"peagle": "llama.cpp b11434 has no P-EAGLE drafting (no --spec-type for it, and its converter refuses "
-                "PEagleDraftModel)"}  # heads a backend cannot run, and why, said before anything starts
+HEADS = ("eagle3", "peagle", "dflash", "dspark")  # draft heads over the target's hidden states (engine.decoding.heads)
+NOT_SERVED = {  # backend -> the heads it cannot run, and why: said before anything starts
+    "llama.cpp": {"peagle": "llama.cpp b11434 has no P-EAGLE drafting (no --spec-type for it, and its converter "
+                            "refuses PEagleDraftModel)"},
+    "vllm": {"dspark": "vLLM 0.32 runs DSpark heads on GPUs only (its CPU build has no Triton, and the model runner it "
+                       "falls back to refuses DSpark)"},
+}  # fmt: skip
 VLLM_ONLY = ("mtp",)  # methods vLLM ships and the in-process engine lacks
 LLAMA_ONLY = ("ngram-mod", "ngram-map-k")  # llama.cpp's own n-gram drafters
 DRAFTERS = ("draft-model", "prompt-lookup", "suffix", "synthetic") + HEADS + VLLM_ONLY + LLAMA_ONLY
 TAKES_DRAFT = ("draft-model", "synthetic") + HEADS  # use a named draft model or head (synthetic: for its cost)
-HEAD_NAMES = {"eagle3": "EAGLE-3 head", "peagle": "P-EAGLE head", "dflash": "DFlash head"}
+HEAD_NAMES = {"eagle3": "EAGLE-3 head", "peagle": "P-EAGLE head", "dflash": "DFlash head", "dspark": "DSpark head"}
 BACKENDS = ("transformers", "vllm", "llama.cpp")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 STRICT = ("auto", "on", "off")  # strict mode: every target pass at one width (engine.decoding.runtime.forward)
@@ -71,7 +75,8 @@ class Settings:
     compile: bool = False  # CUDA only: torch.compile with CUDA graphs over a static KV cache
     warmup: bool = True
     backend: str = "transformers"  # where the comparison runs: this process, vLLM or llama.cpp servers
-    p_min: float = 0.0  # draft model: stop drafting when its top probability falls below this (0 = never)
+    p_min: float = 0.0  # draft model: stop drafting when its top probability falls below this (0 = never); DSpark
+    # head: when its confidence head's does
     draft_min: int = 0  # a draft shorter than this is not verified (0 = any length)
     strict: str = "auto"  # every target pass of both runs at one width, so 16-bit greedy ids are bit-identical:
     # on, off, or auto (on where it costs a one-token pass no more than the noise, measured per model)
@@ -122,8 +127,8 @@ class Settings:
             bad("draft", "is empty, and the draft-model drafter needs one: name it, or pick prompt lookup.")
         if self.drafter in HEADS and not self.draft.strip():
             forge = ("one made by the speculators trainer (the forge makes EAGLE-3 and DFlash heads)"
-                     if self.drafter == "peagle" else "forge one in the Lab tab's Forge (`python -m engine forge` on "
-                     "the command line)")  # fmt: skip
+                     if self.drafter in ("peagle", "dspark")
+                     else "forge one in the Lab tab's Forge (`python -m engine forge` on the command line)")
             raise UserError(f"the {HEAD_NAMES[self.drafter]} drafter needs a head: name its folder or Hub id in the "
                             "draft field (a preset, or the page's list of heads for this target, fills it), or "
                             f"{forge}.", field="draft")  # fmt: skip
@@ -142,9 +147,10 @@ class Settings:
             bad("backend", f"{self.backend!r} is unknown: use {', '.join(BACKENDS)}.")
         if self.drafter in VLLM_ONLY and self.backend != "vllm":
             bad("drafter", f"{self.drafter!r} runs on the vLLM backend only: choose backend vllm, or another drafter.")
-        if self.drafter in NOT_ON_LLAMA and self.backend == "llama.cpp":
-            bad("drafter", f"{NOT_ON_LLAMA[self.drafter]}: run the {HEAD_NAMES[self.drafter]} on the transformers or "
-                "vLLM backend.")
+        why = NOT_SERVED.get(self.backend, {}).get(self.drafter)
+        if why:
+            others = " or ".join(b for b in BACKENDS if b != self.backend and self.drafter not in NOT_SERVED.get(b, {}))
+            bad("drafter", f"{why}: run the {HEAD_NAMES[self.drafter]} on the {others} backend.")
         if self.drafter in LLAMA_ONLY and self.backend != "llama.cpp":
             bad("drafter", f"{self.drafter!r} runs on the llama.cpp backend only: choose backend llama.cpp, or "
                 "another drafter.")

@@ -1,4 +1,4 @@
-"""Draft heads (engine.decoding.heads, engine.models.heads) on tiny random targets: the four published layouts and
+"""Draft heads (engine.decoding.heads, engine.models.heads) on tiny random targets: the published layouts and
 their layer-index conventions, greedy ids equal to the baseline's and HF generate()'s through every kind of target
 pass, sampled marginals exact, the head's cache in step with rollbacks, and clear messages for heads that do not fit."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.decoding.heads import DFlash, Eagle3, PEagle
+from engine.decoding.heads import DFlash, DSpark, Eagle3, PEagle
 from engine.decoding.lean import attach
 from engine.decoding.runtime import forward, new_cache
 from engine.decoding.sampling import SamplingConfig
@@ -45,7 +45,12 @@ def heads_of(target):
         "eagle3-norms": random_head(target, "eagle3", draft_vocab=300, norm_before_fc=True, norm_output=True, seed=2),
         "dflash": random_head(target, "dflash", layers=2, block_size=6, mask_token_id=5, seed=3),
         "peagle": random_head(target, "peagle", draft_vocab=250, mask_token_id=7, seed=4),
-    }
+        "dspark": random_head(target, "dspark", layers=2, block_size=6, mask_token_id=5, markov_rank=8,
+                              confidence="hidden+markov", sample_from_anchor=True, windows=(2048, 2048),
+                              causal=(True, True), seed=6),
+        "dspark-bonus-anchor": random_head(target, "dspark", block_size=6, mask_token_id=5, markov_rank=8,
+                                           confidence="hidden", seed=7),
+    }  # fmt: skip
 
 
 def test_every_layout_reads_back_what_was_written_with_its_layer_ids(target, tmp_path):
@@ -54,7 +59,8 @@ def test_every_layout_reads_back_what_was_written_with_its_layer_ids(target, tmp
     heads = heads_of(target)
     cases = [("eagle3", "eagle3-original"), ("eagle3-reduced", "speculators-eagle3"),
              ("eagle3-norms", "speculators-eagle3"), ("dflash", "dflash"), ("dflash", "speculators-dflash"),
-             ("peagle", "speculators-peagle")]
+             ("peagle", "speculators-peagle"), ("dspark", "speculators-dspark"),
+             ("dspark-bonus-anchor", "speculators-dspark")]
     for name, layout in cases:
         head = heads[name]
         folder = write_head(head, tmp_path / f"{name}-{layout}", layout, verifier="tiny")
@@ -70,12 +76,19 @@ def test_every_layout_reads_back_what_was_written_with_its_layer_ids(target, tmp
             assert not {"lm_head.weight", "embed_tokens.weight"} & keys
         if layout == "speculators-dflash":
             assert raw["aux_hidden_state_layer_ids"] == list(head.config.layers)
+        if layout == "speculators-dspark":
+            assert raw["speculators_model_type"] == "dspark" and raw["markov_rank"] == 8
+            assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.bias"} <= keys
         if layout == "speculators-peagle":
             assert raw["speculators_model_type"] == "peagle" and raw["mask_token_id"] == 7
             assert {"mask_hidden", "d2t", "lm_head.weight", "embed_tokens.weight"} <= keys
         back = load_head(str(folder), target)
         assert back.config.layers == head.config.layers and back.config.layout == layout
-        for flag in ("norm_before_residual", "norm_before_fc", "norm_output", "block_size", "mask_token_id"):
+        for layer in range(head.config.num_layers):  # () and all zeros / all False say the same
+            assert back.config.window(layer) == head.config.window(layer), (layout, layer)
+            assert back.config.block_causal(layer) == head.config.block_causal(layer), (layout, layer)
+        for flag in ("norm_before_residual", "norm_before_fc", "norm_output", "block_size", "mask_token_id",
+                     "markov_rank", "confidence", "sample_from_anchor"):
             assert getattr(back.config, flag) == getattr(head.config, flag), (layout, flag)
         ids = prompt_ids(byte_tokenizer(), PROMPTS[0])
         assert _drafts(target, head, ids) == _drafts(target, back, ids), layout
@@ -140,20 +153,71 @@ def test_draft_vocabulary_maps_to_target_ids_and_nothing_outside(target):
     assert draft.probs.shape == (4, 384) and float(draft.probs[:, 50:].sum()) == 0.0
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash"])
+@pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash", "dspark"])
 def test_sampled_head_drafts_keep_the_target_distribution(kind):
     """Each draft token is drawn from the head's q with the run's temperature, top-k and top-p: the rejection rule
-    then gives exactly the target's marginals. A reduced draft vocabulary (q = 0 outside it) too."""
+    then gives exactly the target's marginals. A reduced draft vocabulary (q = 0 outside it) too; a DSpark head's q
+    is its logits with the Markov bias of the token drawn before."""
     model = tiny_llama(vocab_size=8, layers=3, seed=5)
+    dspark = {"markov_rank": 4, "confidence": "hidden+markov", "sample_from_anchor": True} if kind == "dspark" else {}
     with torch.no_grad():
-        head = random_head(model, kind, draft_vocab=0 if kind == "dflash" else 6, block_size=4, mask_token_id=7,
-                           seed=7)  # fmt: skip
-        for name, p in head.named_parameters():
-            if kind != "dflash" and not name.startswith("embed_tokens."):  # DFlash's q is the target's LM head's
+        head = random_head(model, kind, draft_vocab=0 if kind in ("dflash", "dspark") else 6, block_size=4,
+                           mask_token_id=7, seed=7, **dspark)  # fmt: skip
+        for name, p in head.named_parameters():  # DFlash's q is the target's LM head's; DSpark's bias is sharp
+            if kind not in ("dflash", "dspark") and not name.startswith("embed_tokens."):
                 p.mul_(4.0)  # a sharper q, so that acceptance is neither 0 nor 1
     cfg = SamplingConfig(temperature=1.0)
     accepted, drafted = sampled_exactly(model, lambda: drafter_for(head, 8, 3), 3, cfg, [1, 2, 3], 3)
     assert 0.05 < accepted / drafted < 0.95
+
+
+def test_a_dspark_head_stops_drafting_where_its_confidence_falls_below_p_min(target, llama_pair):
+    """As llama.cpp's --spec-draft-p-min stops a DSpark draft: at the first position whose own confidence is below
+    p_min, that position's token and those after it not drafted; at p_min 0 it drafts every position. Runs stay
+    lossless whatever the stop, an empty draft included."""
+    head = heads_of(target)["dspark"]
+    tok = llama_pair[2]
+    ids = prompt_ids(tok, PROMPTS[0])
+    seen = []
+    markov = head.markov
+
+    def recorded(state, previous):
+        logits, confidence = markov(state, previous)
+        seen.append(float(confidence))
+        return logits, confidence
+
+    head.markov = recorded
+    try:
+        full = _drafts(target, head, ids, gamma=5)
+    finally:
+        del head.markov
+    assert len(full) == 5 and len(seen) == 5
+    for cut in range(5):
+        p_min = seen[cut] + 1e-6 if seen[cut] < 0.999 else None  # stop at position `cut`, after the ones before it
+        if p_min is None or any(c < p_min for c in seen[:cut]):
+            continue
+        drafter = drafter_for(head, 384, 5, p_min=p_min)
+        with torch.inference_mode():
+            _, features = forward(target, ids[:-1], new_cache(target), layers=drafter.layers)
+            drafter.see(features)
+            draft = drafter.propose(ids, 5, GREEDY, torch.Generator())
+        assert draft.tokens == full[:cut] and "confidence stop" in draft.note, (cut, seen)
+    expected = hf_generate(target, ids, 24)
+    for p_min in (0.3, 0.5, 0.99):
+        assert run_spec(target, tok, ids, drafter_for(head, 384, 4, p_min=p_min), 4, 24).token_ids == expected
+
+
+def test_a_dspark_head_is_refused_where_no_engine_runs_it_as_the_trainer_does(target, tmp_path):
+    head = heads_of(target)["dspark"]
+    folder = write_head(head, tmp_path / "dspark", "speculators-dspark")
+    raw = read_config(folder)
+    for change, words in ((("markov_head_type", "gated"), "markov_head_type: gated"),
+                          (("sliding_window_non_causal", True), "sliding_window_non_causal: true")):  # fmt: skip
+        (folder / "config.json").write_text(json.dumps(raw | dict([change])))
+        with pytest.raises(UserError, match=words):
+            load_head(str(folder), target)
+    with pytest.raises(ValueError, match="causal layers must be the sliding ones"):
+        write_head(random_head(target, "dspark", markov_rank=4, causal=(True,)), tmp_path / "x", "speculators-dspark")
 
 
 def test_strict_mode_keeps_bfloat16_head_runs_identical(llama_pair):
@@ -202,8 +266,8 @@ def test_a_head_for_another_target_is_refused_in_one_sentence(target, tmp_path):
 
 def test_every_layout_is_known():
     assert set(LAYOUTS) == {"speculators-eagle3", "eagle3-original", "dflash", "speculators-dflash",
-                            "speculators-peagle"}  # fmt: skip
-    assert {Eagle3.name, PEagle.name, DFlash.name} == {"eagle3", "peagle", "dflash"}
+                            "speculators-peagle", "speculators-dspark"}  # fmt: skip
+    assert {Eagle3.name, PEagle.name, DFlash.name, DSpark.name} == {"eagle3", "peagle", "dflash", "dspark"}
     raw = {"speculators_model_type": "eagle3", "transformer_layer_config": {
         "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 128}}
     c = head_config(raw, tiny_llama(layers=DEPTH).config)

@@ -9,7 +9,11 @@ Variants: EAGLE-3 as the trainer makes it by default (every layer sliding at 204
 norm_before_fc, norm_output, reduced draft vocabulary), EAGLE-3 with full attention and no norm flags, DFlash as the
 trainer makes it by default (sliding at 2048, causal block), DFlash with full attention and a non-causal block, P-EAGLE
 as the trainer makes it by default (sliding at 2048, no norm flags, reduced vocabulary) and with full attention and
-norm_before_residual / norm_before_fc; and an EAGLE-3, a DFlash and a P-EAGLE head written by SpecArena.
+norm_before_residual / norm_before_fc, DSpark as the trainer makes it by default (sliding at 2048, causal, drafting
+from the block's first row, a rank-16 Markov bias, a confidence head over the state and the Markov embedding) and with
+full attention, DFlash's bonus-anchor layout, a confidence head over the state alone and a reduced vocabulary (each
+DSpark position's confidence compared too); and an EAGLE-3, a DFlash, a P-EAGLE and a DSpark head written by
+SpecArena.
 
 In CI (CI=true) a missing reference environment fails the module; elsewhere it is skipped with the reason.
 """
@@ -46,6 +50,11 @@ BUILT = {
     "peagle-trainer-default": {"kind": "peagle", "seed": 7, "flags": {"draft_vocab_size": 200, "mask_token_id": 3}},
     "peagle-full-attention-norms": {"kind": "peagle", "seed": 8, "flags": {
         "full_attention_indices": [0], "norm_before_residual": True, "norm_before_fc": True, "mask_token_id": 5}},
+    "dspark-trainer-default": {"kind": "dspark", "seed": 12, "flags": {"num_layers": 2, "mask_token_id": 3,
+                                                                           "target_layer_ids": [2, 5]}},
+    "dspark-bonus-anchor-full-attention": {"kind": "dspark", "seed": 13, "flags": {
+        "mask_token_id": 3, "full_attention_indices": [0], "sample_from_anchor": False, "draft_vocab_size": 200,
+        "confidence_head_with_markov": False, "target_layer_ids": [3, 6]}},
 }  # fmt: skip
 
 
@@ -95,7 +104,10 @@ def oracle(tmp_path_factory):
                                        norm_before_fc=True, seed=5),
             "ours-dflash": random_head(target, "dflash", layers=2, block_size=8, mask_token_id=3, seed=6),
             "ours-peagle": random_head(target, "peagle", draft_vocab=150, norm_before_residual=True, mask_token_id=3,
-                                       seed=9)}  # fmt: skip
+                                       seed=9),
+            "ours-dspark": random_head(target, "dspark", layers=2, block_size=8, mask_token_id=3, markov_rank=16,
+                                       confidence="hidden+markov", sample_from_anchor=True, windows=(WINDOW, WINDOW),
+                                       causal=(True, True), seed=14)}  # fmt: skip
     for head in ours.values():
         with torch.no_grad():
             for name, p in head.named_parameters():
@@ -119,20 +131,36 @@ def oracle(tmp_path_factory):
             "out": root / "out"}  # fmt: skip
 
 
-def our_drafts(head, vocab: int, ids: list[int], states: torch.Tensor) -> tuple[list[int], torch.Tensor]:
-    """Our drafter's greedy proposal after `ids`, handed the target features it would be, and its draft logits."""
+def our_drafts(head, vocab: int, ids: list[int], states: torch.Tensor) -> tuple[list[int], torch.Tensor, list]:
+    """Our drafter's greedy proposal after `ids`, handed the target features it would be, its draft logits, and a
+    DSpark head's confidence at each position."""
     drafter = drafter_for(head, vocab, GAMMA)
-    seen = []
-    hook = head.lm_head.register_forward_hook(lambda module, args, out: seen.append(out))
+    seen, confidences = [], []
+    kind = head.config.kind  # EAGLE-3: a pass per draft; P-EAGLE: one over the real and mask rows; DFlash: a block;
+    if kind == "dspark":  # DSpark: a block, then each position's logits with its Markov bias
+        markov = head.markov
+
+        def recorded(state, previous):
+            logits, confidence = markov(state, previous)
+            seen.append(logits[None] / head.config.logit_scale)
+            confidences.append(float(confidence))
+            return logits, confidence
+
+        head.markov = recorded
+        hook = None
+    else:
+        hook = head.lm_head.register_forward_hook(lambda module, args, out: seen.append(out))
     try:
         with torch.inference_mode():
             drafter.see(torch.cat([states[i] for i in drafter.layers], -1))
             tokens = drafter.propose(ids, GAMMA, GREEDY, torch.Generator()).tokens
     finally:
-        hook.remove()
-    kind = head.config.kind  # EAGLE-3: a pass per draft; P-EAGLE: one over the real and mask rows; DFlash: a block
-    rows = [seen[0][-1]] + [s[-1] for s in seen[1:]] if kind == "eagle3" else list(seen[0][-GAMMA:])
-    return tokens, torch.stack(rows).float() * head.config.logit_scale
+        if hook is None:
+            del head.markov
+        else:
+            hook.remove()
+    rows = [seen[0][-1]] + [s[-1] for s in seen[1:]] if kind in ("eagle3", "dspark") else list(seen[0][-GAMMA:])
+    return tokens, torch.stack(rows).float() * head.config.logit_scale, confidences
 
 
 def agreement(oracle, name: str) -> tuple[int, int, float]:
@@ -142,9 +170,12 @@ def agreement(oracle, name: str) -> tuple[int, int, float]:
     logits = load_file(str(oracle["out"] / f"{name}.safetensors"))
     agree, worst = 0, 0.0
     for i, ids in enumerate(oracle["cases"]):
-        tokens, ours = our_drafts(head, target.config.vocab_size, ids, oracle["states"][i])
+        tokens, ours, confidences = our_drafts(head, target.config.vocab_size, ids, oracle["states"][i])
         agree += tokens == oracle["result"][name]["drafts"][i]
         worst = max(worst, float((ours - logits[f"logits.{i}"]).abs().max()))
+        theirs = oracle["result"][name]["confidences"][i]
+        assert len(confidences) == len(theirs)  # a DSpark head's, where it has a confidence head
+        worst = max([worst] + [abs(a - b) for a, b in zip(confidences, theirs)])
     print(f"{name}: {agree}/{len(oracle['cases'])} steps agree, max logit difference {worst:.2e}", file=sys.stderr)
     return agree, len(oracle["cases"]), worst
 
@@ -155,7 +186,7 @@ def test_a_head_the_reference_builds_drafts_here_what_it_drafts_there(oracle, na
     assert agree == steps and worst < 1e-4, (name, agree, steps, worst)
 
 
-@pytest.mark.parametrize("name", ["ours-eagle3", "ours-dflash", "ours-peagle"])
+@pytest.mark.parametrize("name", ["ours-eagle3", "ours-dflash", "ours-peagle", "ours-dspark"])
 def test_a_head_specarena_writes_loads_in_the_reference_and_drafts_the_same(oracle, name):
     agree, steps, worst = agreement(oracle, name)
     assert agree == steps and worst < 1e-4, (name, agree, steps, worst)
@@ -175,4 +206,9 @@ def test_the_reference_heads_are_read_as_the_reference_made_them(oracle):
     p, pn = c["peagle-trainer-default"], c["peagle-full-attention-norms"]
     assert p.kind == "peagle" and p.windows == (WINDOW,) and not p.norm_before_residual and p.mask_token_id == 3
     assert pn.windows == (0,) and pn.norm_before_residual and pn.norm_before_fc and pn.mask_token_id == 5
+    s, sb = c["dspark-trainer-default"], c["dspark-bonus-anchor-full-attention"]
+    assert s.kind == "dspark" and s.windows == (WINDOW, WINDOW) and s.causal == (True, True) and s.sample_from_anchor
+    assert s.markov_rank == 16 and s.confidence == "hidden+markov" and s.most_drafts == 8
+    assert sb.windows == (0,) and sb.causal == (False,) and not sb.sample_from_anchor and sb.confidence == "hidden"
+    assert sb.most_drafts == 7 and sb.draft_vocab_size == 200
     assert len(oracle["cases"][-1]) - 1 > WINDOW  # the last contexts reach past the window

@@ -52,9 +52,9 @@ def served_head(s: Settings, progress=lambda message: None, target: str = "") ->
     problems = check(c, target)
     if problems:
         raise UserError(f"head {s.draft!r} does not fit the target {s.target}: {problems[0]}", field="draft")
-    if c.kind == "dflash" and s.gamma > c.block_size - 1:  # vLLM and llama-server would draft past the block
-        raise UserError(f"this DFlash head fills blocks of {c.block_size}, so it drafts at most {c.block_size - 1} "
-                        f"tokens a step: set γ to {c.block_size - 1} or less.", field="gamma")  # fmt: skip
+    if c.block and s.gamma > c.most_drafts:  # vLLM and llama-server would draft past the block
+        raise UserError(f"this {HEAD_NAMES[c.kind]} fills blocks of {c.block_size}, so it drafts at most "
+                        f"{c.most_drafts} tokens a step: set γ to {c.most_drafts} or less.", field="gamma")  # fmt: skip
     return folder, c
 
 

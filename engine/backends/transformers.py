@@ -239,7 +239,7 @@ class Transformers:
             from engine.models.heads import drafter_for
 
             costs = pair.target.verify_costs if s.topk > 1 else None  # a tree keeps the nodes that pay for their rows
-            return drafter_for(pair.head, pair.target.vocab_size, s.gamma, s.adaptive, s.topk, costs)
+            return drafter_for(pair.head, pair.target.vocab_size, s.gamma, s.adaptive, s.topk, costs, s.p_min)
         if s.drafter == "prompt-lookup":
             costs = pair.target.verify_costs if s.adaptive else None
             return PromptLookup(max_ngram=s.ngram, costs=costs, gamma=s.gamma)

@@ -49,7 +49,8 @@ from engine.settings import MAX_GAMMA
 class HeadConfig:
     """What a head is, whatever layout it was published in (engine.models.heads reads the layouts)."""
 
-    kind: str  # "eagle3" | "dflash" | "peagle" (P-EAGLE: EAGLE-3's layers, drafting every position in one pass)
+    kind: str  # "eagle3" | "peagle" (P-EAGLE: EAGLE-3's layers, drafting every position in one pass) | "dflash" |
+    # "dspark" (DSpark: DFlash's block, then a Markov bias on each draft's logits and a confidence per position)
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -78,6 +79,9 @@ class HeadConfig:
     mask_token_id: int = 0  # DFlash: the token that fills the block after it; P-EAGLE: the mask rows' token
     verifier: str = ""  # the target the head was trained for, where its config says
     proposed_gamma: int = 0  # the draft length its config proposes (speculators' speculative_tokens), 0: none
+    markov_rank: int = 0  # DSpark: the rank of its Markov logit bias (0: none)
+    confidence: str = ""  # DSpark: its confidence head's input, "hidden" or "hidden+markov" ("": no confidence head)
+    sample_from_anchor: bool = False  # DSpark: the block's first row drafts too (B drafts from a block of B)
     layout: str = ""  # the layout it was read from: eagle3-original | speculators-eagle3 | dflash | speculators-dflash
     refused: tuple[str, ...] = ()  # fields of its config SpecArena does not run, by name: loading refuses the head
     note: str = ""  # where the references disagree on this head, which one it follows
@@ -86,6 +90,16 @@ class HeadConfig:
     def eagle(self) -> bool:
         """EAGLE-3's layers (a first layer 2H wide, reading the token and the feature): EAGLE-3 and P-EAGLE."""
         return self.kind in ("eagle3", "peagle")
+
+    @property
+    def block(self) -> bool:
+        """DFlash's backbone (a block of drafts in one pass over context features): DFlash and DSpark."""
+        return self.kind in ("dflash", "dspark")
+
+    @property
+    def most_drafts(self) -> int:
+        """A block head's drafts per step: the block's mask rows, and its first row where that drafts too."""
+        return self.block_size if self.sample_from_anchor else self.block_size - 1
 
     @property
     def feature_size(self) -> int:
@@ -231,8 +245,8 @@ def attend(q, keys, values, mask: torch.Tensor | None = None) -> torch.Tensor:
 
 
 class Head(nn.Module):
-    """The weights of a head, EAGLE-3, P-EAGLE or DFlash, and its forward passes. `embed` (and for DFlash
-    `lm_head`) are the target's, unless the head ships its own."""
+    """The weights of a head, EAGLE-3, P-EAGLE, DFlash or DSpark, and its forward passes. `embed` (and for DFlash and
+    DSpark `lm_head`) are the target's, unless the head ships its own."""
 
     def __init__(self, c: HeadConfig):
         super().__init__()
@@ -243,11 +257,19 @@ class Head(nn.Module):
         if c.fc_norm:
             self.fc_norm = nn.ModuleList(RMSNorm(c.target_hidden_size or c.hidden_size, c.rms_norm_eps)
                                          for _ in c.layers)  # fmt: skip
-        if c.kind == "dflash":
+        if c.block:
             self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(HeadLayer(c, wide=c.eagle and i == 0) for i in range(c.num_layers))
         if c.kind == "peagle":  # the feature of a mask row, in the concatenated features' space (fused as theirs)
             self.mask_hidden = nn.Parameter(torch.zeros(1, 1, c.feature_size))
+        if c.markov_rank:  # DSpark: bias = markov_w2(markov_w1[previous token]), W1 over the target's vocabulary
+            self.markov_head = nn.Module()
+            self.markov_head.markov_w1 = nn.Embedding(c.vocab_size, c.markov_rank)
+            self.markov_head.markov_w2 = nn.Linear(c.markov_rank, c.draft_vocab_size or c.vocab_size, bias=False)
+        if c.confidence:  # DSpark: sigmoid(proj(final state, and the Markov embedding where it says so))
+            self.confidence_head = nn.Module()
+            extra = c.markov_rank if c.confidence == "hidden+markov" else 0
+            self.confidence_head.proj = nn.Linear(c.hidden_size + extra, 1)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.embed_tokens: nn.Embedding | None = None  # set by attach: the head's own, or the target's
         self.lm_head: nn.Linear | None = None
@@ -278,7 +300,7 @@ class Head(nn.Module):
         if self.config.norm_before_fc:
             features = self.input_norm(features)
         fused = self.fc(features)
-        return self.hidden_norm(fused) if self.config.kind == "dflash" else fused
+        return self.hidden_norm(fused) if self.config.block else fused
 
     def to_target(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Draft-vocabulary logits (rows, Vd) -> the target's vocabulary (rows, V), -inf where the head cannot go."""
@@ -304,6 +326,23 @@ class Head(nn.Module):
         normed = layer.hidden_norm(h)
         residual = normed if self.config.norm_before_residual else h
         return residual, torch.cat((layer.input_layernorm(tokens_embedded), normed), dim=-1)  # (B, rows, 2H)
+
+    def markov(self, state: torch.Tensor, previous: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """DSpark, one draft position: its logits (draft vocabulary,) from its final state (hidden,) with the Markov
+        bias of the token before it (a target id), scaled by logit_scale as vLLM scales both; and its confidence,
+        sigmoid of the confidence head over the state (and the Markov embedding), None without one."""
+        c = self.config
+        logits = self.lm_head(state)
+        embedded = None
+        if c.markov_rank:
+            embedded = self.markov_head.markov_w1.weight[previous]
+            logits = logits + self.markov_head.markov_w2(embedded)
+        if c.logit_scale != 1.0:
+            logits = logits * c.logit_scale
+        if not c.confidence:
+            return logits, None
+        features = torch.cat((state, embedded.to(state.dtype))) if c.confidence == "hidden+markov" else state
+        return logits, torch.sigmoid(self.confidence_head.proj(features)[0].float())
 
     def output(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The last layer's states -> (the state fed back at the next position, draft-vocab logits)."""
@@ -529,6 +568,44 @@ class DFlash(HeadDrafter):
             tokens.append(token)
             probs.append(q)
         return Draft(tokens, None if cfg.greedy else torch.stack(probs), passes=1)
+
+
+class DSpark(HeadDrafter):
+    """DSpark drafting: DFlash's block pass, then one draft position after another, each position's logits biased by
+    the Markov head from the token drafted before it (the last verified token before the first), and drafting stops
+    at the first position whose confidence is below `p_min`, as llama.cpp's --spec-draft-p-min stops it (0: never).
+    With `sample_from_anchor` (the trainer's default) the block's first row drafts too: γ drafts from a block of γ
+    rows, [last token, mask x (γ-1)]; without it the block is DFlash's, γ + 1 rows, its mask rows drafting.
+    (speculators' DSparkDraftModel; llama.cpp's draft-dspark; vLLM 0.32 runs it on GPUs only.)"""
+
+    name = "dspark"
+
+    def __init__(self, head: Head, vocab_size: int, gamma: int = 4, adaptive: bool = False, p_min: float = 0.0):
+        self.p_min = p_min
+        super().__init__(head, vocab_size, gamma, adaptive)
+
+    def propose(self, ids, limit, cfg, generator) -> Draft:
+        c = self.head.config
+        gamma = min(self.gamma, c.most_drafts, limit)
+        if gamma <= 0:
+            return Draft([])
+        device = self.head.fc.weight.device
+        features = self._take(ids)
+        first = 0 if c.sample_from_anchor else 1  # the block's row of the first draft
+        block = torch.tensor([ids[-1]] + [c.mask_token_id] * (gamma - 1 + first), device=device)
+        states = self.head.dflash(features, block, self.cache)  # (rows, H)
+        self.fed += features.shape[0]
+        tokens, probs, previous, note = [], [], ids[-1], ""
+        for state in states[first : first + gamma]:
+            logits, confidence = self.head.markov(state, previous)
+            if self.p_min and confidence is not None and float(confidence) < self.p_min:
+                note = f"confidence stop before draft token {len(tokens) + 1}: {float(confidence):.2f} < {self.p_min:g}"
+                break
+            token, q = self._choose(logits, cfg, generator)
+            tokens.append(token)
+            probs.append(q)
+            previous = token
+        return Draft(tokens, None if cfg.greedy or not probs else torch.stack(probs), passes=1, note=note)
 
 
 class PEagle(HeadDrafter):

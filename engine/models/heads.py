@@ -1,4 +1,4 @@
-"""Draft heads as they are published: reading the four layouts, checking a head against a target, writing one.
+"""Draft heads as they are published: reading the six layouts, checking a head against a target, writing one.
 
     eagle3-original     SafeAILab's EAGLE-3: a LlamaConfig with `draft_vocab_size`, weights `midlayer.*`, `fc`, `norm`,
                         `lm_head`, `d2t`/`t2d`; the embedding is the target's. Features [2, L//2, L-3].
@@ -9,6 +9,9 @@
     speculators-dflash  speculators' dflash: `speculators_model_type: dflash`, `aux_hidden_state_layer_ids`.
     speculators-peagle  speculators' P-EAGLE: EAGLE-3's config and weights with a `mask_token_id` and a learnt
                         `mask_hidden` feature; its norm flags as vLLM's `update_peagle` reads them (absent: False).
+    speculators-dspark  speculators' DSpark: DFlash's config and weights with `markov_rank` (`markov_head.markov_w1`,
+                        `markov_w2`), `enable_confidence_head` and `confidence_head_with_markov` (`confidence_head.
+                        proj`), `sample_from_anchor`; each layer's block causal by its type (vLLM's update_dspark).
 
 Layer indices. Every head here names target features as indices into transformers' `hidden_states` (0: the
 embedding output; i: the residual stream entering decoder layer i), which is what vLLM, llama.cpp, SGLang,
@@ -35,13 +38,13 @@ from pathlib import Path
 
 import torch
 
-from engine.decoding.heads import DFlash, Eagle3, Head, HeadConfig, PEagle
+from engine.decoding.heads import DFlash, DSpark, Eagle3, Head, HeadConfig, PEagle
 from engine.errors import UserError
 from engine.models.loading import allow_pickle, hub_folder, resolve
 
 # each layout's head kind
 KIND_OF = {"speculators-eagle3": "eagle3", "eagle3-original": "eagle3", "dflash": "dflash",
-           "speculators-dflash": "dflash", "speculators-peagle": "peagle"}  # fmt: skip
+           "speculators-dflash": "dflash", "speculators-peagle": "peagle", "speculators-dspark": "dspark"}  # fmt: skip
 LAYOUTS = tuple(KIND_OF)
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose layout we write
 
@@ -82,8 +85,8 @@ def layout_of(raw: dict) -> str:
     if f"speculators-{kind}" in KIND_OF:
         return f"speculators-{kind}"
     if kind:
-        raise UserError(f"speculators head type {kind!r} is not one SpecArena runs: eagle3, peagle and dflash are.",
-                        field="draft")  # fmt: skip
+        raise UserError(f"speculators head type {kind!r} is not one SpecArena runs: eagle3, peagle, dflash and "
+                        "dspark are.", field="draft")  # fmt: skip
     if "dflash_config" in raw or "DFlashDraftModel" in raw.get("architectures", []):
         return "dflash"
     if "draft_vocab_size" in raw or any("Eagle3" in a for a in raw.get("architectures", [])):
@@ -146,7 +149,7 @@ def _attention(view: dict, kind: str, layers: int) -> tuple[tuple[int, ...], tup
     types, refused = _layer_types(view, layers), []
     window = view.get("sliding_window") or 0
     sliding = [t == "sliding_attention" for t in types] if types else [False] * layers
-    if kind != "dflash":
+    if kind not in ("dflash", "dspark"):
         return tuple(window if s else 0 for s in sliding), (), refused
     dflash = view.get("dflash_config") or {}
     use_swa = bool(dflash.get("use_swa"))
@@ -174,6 +177,9 @@ def _vllm_view(raw: dict, layout: str) -> dict:
         view["dflash_config"] = {"mask_token_id": raw.get("mask_token_id"),
                                  "sample_from_anchor": raw.get("sample_from_anchor", False),
                                  "causal": not raw.get("sliding_window_non_causal", True)}  # fmt: skip
+    if layout == "speculators-dspark":  # update_dspark sets no `causal`: each layer's type decides (sliding: causal)
+        view["dflash_config"] = {"mask_token_id": raw.get("mask_token_id"),
+                                 "sample_from_anchor": raw.get("sample_from_anchor", False)}  # fmt: skip
     return view
 
 
@@ -190,16 +196,25 @@ def _refused(raw: dict, view: dict, kind: str, layout: str) -> list[str]:
         out.append("`use_aux_hidden_state: false`")
     if layout.startswith("speculators") and view.get("model_type", "llama") not in ("llama", "qwen3"):
         out.append(f"`transformer_layer_config.model_type` {view.get('model_type')!r} (vLLM runs llama and qwen3)")
-    if kind == "dflash":
+    if kind in ("dflash", "dspark"):
         dflash = view.get("dflash_config") or {}
-        if dflash.get("sample_from_anchor") or raw.get("sample_from_anchor"):
-            out.append("`sample_from_anchor: true` (vLLM refuses it too)")
+        if kind == "dflash" and (dflash.get("sample_from_anchor") or raw.get("sample_from_anchor")):
+            out.append("`sample_from_anchor: true` on a DFlash head (vLLM refuses it too)")
         if dflash.get("attention_value_scale") is not None:
             out.append("`dflash_config.attention_value_scale`")
         if dflash.get("attention_sink_bias") or view.get("add_swa_attention_sink_bias"):
             out.append("attention sink biases (`attention_sink_bias`)")
         if dflash.get("mask_token_id", raw.get("mask_token_id")) is None:
             out.append("no `mask_token_id` (the token that fills the block)")
+    if kind == "dspark":
+        if raw.get("markov_head_type", "vanilla") != "vanilla":
+            out.append(f"`markov_head_type: {raw['markov_head_type']}` (vLLM 0.32 and llama.cpp run the vanilla Markov "
+                       "head only)")  # fmt: skip
+        if raw.get("sliding_window_non_causal"):
+            out.append("`sliding_window_non_causal: true` on a DSpark head (vLLM 0.32 runs its sliding layers "
+                       "causally, speculators' forward not)")  # fmt: skip
+        if raw.get("confidence_head_with_markov") and raw.get("enable_confidence_head") and not raw.get("markov_rank"):
+            out.append("`confidence_head_with_markov` without a Markov head (`markov_rank: 0`)")
     if kind == "peagle":
         if raw.get("mask_token_id") is None:
             out.append("no `mask_token_id` (the token of the mask rows; vLLM needs it too)")
@@ -242,8 +257,8 @@ def head_config(raw: dict, target_config) -> HeadConfig:
         # absent: vLLM's speculators adapter (update_eagle3) says True, its llama_eagle3 (SafeAILab's layout) False
         norm_before_residual=bool(raw.get("norm_before_residual", layout == "speculators-eagle3")),
         norm_before_fc=bool(eagle.get("norm_before_fc", raw.get("norm_before_fc"))), fc_norm=bool(raw.get("fc_norm")),
-        norm_output=bool(raw.get("norm_output")), qk_norm=layer.get("model_type", "qwen3" if kind == "dflash"
-                                                                   else "llama") in ("qwen3", "qwen3_moe"),
+        norm_output=bool(raw.get("norm_output")),
+        qk_norm=layer.get("model_type", "qwen3" if kind in ("dflash", "dspark") else "llama") in ("qwen3", "qwen3_moe"),
         windows=windows, causal=causal, logit_scale=float(view.get("logit_scale") or 1.0),
         block_size=int(raw.get("block_size") or dflash.get("block_size") or 0),
         mask_token_id=int(mask_token or 0),
@@ -251,8 +266,19 @@ def head_config(raw: dict, target_config) -> HeadConfig:
         proposed_gamma=int(next(iter((raw.get("speculators_config") or {}).get("proposal_methods") or []),
                                 {}).get("speculative_tokens") or 0),
         layout=layout, refused=tuple(refused + _refused(raw, view, kind, layout)),
-        note=_disagreement(raw, layout, windows),
+        note=_disagreement(raw, layout, windows), **_dspark_fields(raw, kind),
     )  # fmt: skip
+
+
+def _dspark_fields(raw: dict, kind: str) -> dict:
+    """A DSpark head's Markov rank, confidence head and block layout, as vLLM's update_dspark reads them (absent:
+    no Markov head, no confidence head, DFlash's layout: the reference writes every one of them)."""
+    if kind != "dspark":
+        return {}
+    rank = int(raw.get("markov_rank") or 0)
+    confidence = ("" if not raw.get("enable_confidence_head") else
+                  "hidden+markov" if raw.get("confidence_head_with_markov") and rank else "hidden")  # fmt: skip
+    return {"markov_rank": rank, "confidence": confidence, "sample_from_anchor": bool(raw.get("sample_from_anchor"))}
 
 
 def _disagreement(raw: dict, layout: str, windows: tuple[int, ...]) -> str:
@@ -278,9 +304,9 @@ def check(c: HeadConfig, target_config) -> list[str]:
     if any(not 0 <= i <= deepest for i in c.layers):
         problems.append(f"the head reads target layers {list(c.layers)}, the target has {deepest}: it was made for "
                         "a deeper target.")  # fmt: skip
-    if c.kind == "dflash" and c.block_size < 2:
+    if c.block and c.block_size < 2:
         problems.append("the DFlash head's config has no block_size of 2 or more.")
-    if c.kind == "dflash" and c.hidden_size != text.hidden_size:
+    if c.block and c.hidden_size != text.hidden_size:
         problems.append("a DFlash head's hidden size must equal the target's (it uses the target's embedding).")
     if c.refused:
         problems.append(f"its config asks for what SpecArena does not run: {', '.join(c.refused)}.")
@@ -450,7 +476,7 @@ def attention(c) -> str:
     where = f"sliding window {', '.join(map(str, windows))}" if windows else "full attention"
     if len(windows) and not all(c.windows):
         where = f"{where} on {sum(1 for w in c.windows if w)} of {c.num_layers} layers"
-    if c.kind == "dflash":
+    if c.block:
         n = sum(c.causal) if c.causal else 0
         where += (", causal block" if n == c.num_layers else ", non-causal block" if n == 0
                   else f", causal block on {n} of {c.num_layers} layers")  # fmt: skip
@@ -462,7 +488,11 @@ def describe(head: Head) -> str:
     vocab = head.lm_head.out_features
     what = (f"{c.num_layers}-layer EAGLE-3 head, draft vocabulary {vocab}" if c.kind == "eagle3"
             else f"{c.num_layers}-layer P-EAGLE head (all drafts in one pass), draft vocabulary {vocab}"
-            if c.kind == "peagle" else f"{c.num_layers}-layer DFlash head, blocks of {c.block_size}")  # fmt: skip
+            if c.kind == "peagle" else f"{c.num_layers}-layer DFlash head, blocks of {c.block_size}"
+            if c.kind == "dflash" else f"{c.num_layers}-layer DSpark head, blocks of {c.block_size}"
+            f"{' drafting from their first row' if c.sample_from_anchor else ''}, "
+            + (f"a rank-{c.markov_rank} Markov bias" if c.markov_rank else "no Markov bias")
+            + (f", a confidence head ({c.confidence})" if c.confidence else ", no confidence head"))  # fmt: skip
     params = own_parameters(head)
     return (f"{what}, reads target layers {list(c.layers)}, {attention(c)}, {params / 1e6:.1f}M parameters "
             f"({c.layout} layout)")  # fmt: skip
@@ -476,12 +506,15 @@ def linear_weight(module) -> torch.Tensor:
 
 
 def drafter_for(head: Head, vocab_size: int, gamma: int, adaptive: bool = False, topk: int = 1,
-                costs: list[float] | None = None):  # fmt: skip
-    """The Drafter that runs this head (an EAGLE-3 head drafts a tree with topk > 1, sized by the verify `costs`)."""
+                costs: list[float] | None = None, p_min: float = 0.0):  # fmt: skip
+    """The Drafter that runs this head (an EAGLE-3 head drafts a tree with topk > 1, sized by the verify `costs`; a
+    DSpark head stops at a position whose confidence is below `p_min`)."""
     if head.config.kind == "eagle3":
         return Eagle3(head, vocab_size, gamma, adaptive, topk, costs)
     if head.config.kind == "peagle":
         return PEagle(head, vocab_size, gamma, adaptive)
+    if head.config.kind == "dspark":
+        return DSpark(head, vocab_size, gamma, adaptive, p_min)
     return DFlash(head, vocab_size, gamma, adaptive)
 
 
@@ -560,6 +593,20 @@ def write_head(
             "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": [i - 1 for i in c.layers],
                               "causal": _one_causality(c)},
         }  # fmt: skip
+    elif layout == "speculators-dspark":
+        if any(bool(w) != k for w, k in zip(c.windows or (0,) * c.num_layers, c.causal or (False,) * c.num_layers)):
+            raise ValueError("a DSpark config states a layer's block causality by its type: causal layers must be "
+                             "the sliding ones")  # fmt: skip
+        config = {
+            "architectures": ["DSparkSpeculator"], "speculators_model_type": "dspark",
+            "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": _layer_dict(c, "qwen3"),
+            "draft_vocab_size": draft_vocab, "target_hidden_size": c.target_hidden_size or None,
+            "block_size": c.block_size, "mask_token_id": c.mask_token_id,
+            "aux_hidden_state_layer_ids": list(c.layers), "speculators_config": speculators,
+            "sliding_window_non_causal": False, "sample_from_anchor": c.sample_from_anchor,
+            "markov_rank": c.markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": bool(c.confidence),
+            "confidence_head_with_markov": c.confidence == "hidden+markov",
+        }  # fmt: skip
     else:
         config = {
             "architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
@@ -589,21 +636,23 @@ def random_head(target, kind: str = "eagle3", draft_vocab: int = 0, layers: int 
                 mask_token_id: int = 0, seed: int = 0, **flags) -> Head:  # fmt: skip
     """A head with random layers for `target` (tests, and the forge's starting point): the target's layer shape,
     its embedding, and for EAGLE-3 an LM head of the target's rows for a draft vocabulary of `draft_vocab` ids
-    (0: the whole vocabulary; P-EAGLE alike, with a random `mask_hidden`)."""
+    (0: the whole vocabulary; P-EAGLE alike, with a random `mask_hidden`). A DSpark head takes its Markov rank,
+    confidence head and layout as `flags` (HeadConfig's fields)."""
     text = target.config.get_text_config()
     p = next(target.parameters())
     heads, depth = text.num_attention_heads, text.num_hidden_layers
+    block = kind in ("dflash", "dspark")
     c = HeadConfig(
         kind=kind, hidden_size=text.hidden_size, num_layers=layers, num_heads=heads,
         num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
         intermediate_size=text.intermediate_size, rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
         vocab_size=text.vocab_size,
-        layers=dflash_layers(depth, layers) if kind == "dflash" else eagle3_layers(depth),
-        draft_vocab_size=0 if kind == "dflash" else draft_vocab, hidden_act=getattr(text, "hidden_act", "silu"),
+        layers=dflash_layers(depth, layers) if block else eagle3_layers(depth),
+        draft_vocab_size=0 if block else draft_vocab, hidden_act=getattr(text, "hidden_act", "silu"),
         rope={"rope_theta": (getattr(text, "rope_parameters", None) or {}).get("rope_theta", 10000.0)},
-        max_position_embeddings=getattr(text, "max_position_embeddings", 2048), qk_norm=kind == "dflash",
-        block_size=block_size if kind == "dflash" else 0, mask_token_id=mask_token_id,
+        max_position_embeddings=getattr(text, "max_position_embeddings", 2048), qk_norm=block,
+        block_size=block_size if block else 0, mask_token_id=mask_token_id,
         layout=f"speculators-{kind}", **flags,
     )  # fmt: skip
     torch.manual_seed(seed)

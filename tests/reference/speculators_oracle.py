@@ -9,8 +9,9 @@ speculators' own training path (variant name -> trainer flags) and folders of he
 reference's own modules (embedding, fc and its norms, decoder layers, rotary, final norm, LM head, d2t); the attention
 masks follow vLLM 0.32: a sliding layer lets a row at position p see positions above p - W, a DFlash block is causal
 per layer as the head's config says, a P-EAGLE pass is causal over the real rows and the mask rows after them (at
-inference every rollout is the newest anchor's: speculators' peagle mask reduces to causal). Writes, per head, the
-draft ids and the draft logits of every step (`OUT/<name>.safetensors`) and a summary (`OUT/result.json`).
+inference every rollout is the newest anchor's: speculators' peagle mask reduces to causal), a DSpark head adds its
+Markov bias draft by draft and says each position's confidence. Writes, per head, the draft ids and the draft logits
+of every step (`OUT/<name>.safetensors`) and a summary (`OUT/result.json`, DSpark's confidences included).
 
 Nothing here imports SpecArena: the reference stands on its own.
 """
@@ -25,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from speculators import SpeculatorModel
 from speculators.models.dflash import DFlashDraftModel
+from speculators.models.dspark import DSparkDraftModel
 from speculators.models.eagle3 import Eagle3DraftModel
 from speculators.models.peagle import PEagleDraftModel
 from speculators.train.cli import create_transformer_layer_config
@@ -38,7 +40,7 @@ def build(kind: str, target: str, flags: dict, seed: int):
     mapping, from_training_args); norms made non-trivial so that every norm flag matters."""
     torch.manual_seed(seed)
     layer_config = create_transformer_layer_config(
-        target, flags.get("num_layers", 1), "qwen3" if kind == "dflash" else "llama", None,
+        target, flags.get("num_layers", 1), "qwen3" if kind in ("dflash", "dspark") else "llama", None,
         flags.get("sliding_window", 2048), flags.get("full_attention_indices", []),
     )  # fmt: skip
     vocab = layer_config.vocab_size
@@ -60,6 +62,15 @@ def build(kind: str, target: str, flags: dict, seed: int):
             norm_before_residual=flags.get("norm_before_residual", False),
             norm_before_fc=flags.get("norm_before_fc", False), **common,
         )  # fmt: skip
+    elif kind == "dspark":
+        model = DSparkDraftModel.from_training_args(
+            layer_config, t2d=t2d, d2t=d2t, block_size=flags.get("block_size", 8),
+            mask_token_id=flags.get("mask_token_id", 3), sample_from_anchor=flags.get("sample_from_anchor"),
+            markov_rank=flags.get("markov_rank", 16), enable_confidence_head=flags.get("enable_confidence_head", True),
+            confidence_head_with_markov=flags.get("confidence_head_with_markov", True), **common,
+        )  # fmt: skip
+        if model.markov_head is not None:  # its init (std 0.01) would leave the bias too small to move an argmax
+            model.markov_head.markov_w1.weight.normal_()
     else:
         model = DFlashDraftModel.from_training_args(
             layer_config, t2d=t2d, d2t=d2t, block_size=flags.get("block_size", 8),
@@ -185,6 +196,48 @@ def dflash_draft(model, ids: torch.Tensor, features: torch.Tensor, gamma: int):
     return [int(_target_ids(model, row.argmax())) for row in logits], logits
 
 
+def dspark_draft(model, ids: torch.Tensor, features: torch.Tensor, gamma: int):
+    """DFlash's block, then the Markov chain the trainer's comments describe for inference: each draft position's
+    logits biased by markov_w2(markov_w1[previous token]), the previous token being the last verified one for the
+    first draft and each draft for the next; and each position's confidence, sigmoid(confidence_head(final state,
+    Markov embedding)). With sample_from_anchor the block [last, mask x (gamma - 1)] drafts from every row; without,
+    [last, mask x gamma] from its mask rows. Each layer's block is causal where its type is sliding (vLLM's
+    update_dspark sets no causality of its own; speculators' forward masks sliding layers causally)."""
+    config = model.config
+    context = model.hidden_norm(model.fc(features[None]))  # (1, n, H)
+    n = context.shape[1]
+    first = 0 if config.sample_from_anchor else 1
+    block = torch.tensor([int(ids[-1])] + [config.mask_token_id] * (gamma - 1 + first))[None]
+    rows = block.shape[1]
+    h = model.embed_tokens(block)
+    positions = torch.arange(n + rows)
+    cos_sin = model.rotary_emb(context, positions[None])
+    q_pos = positions[n:]
+    for i, layer in enumerate(model.layers):
+        allowed = torch.ones(rows, n + rows, dtype=torch.bool)
+        if _window(model, i):
+            allowed &= positions[None, :] <= q_pos[:, None]
+            allowed &= positions[None, :] > q_pos[:, None] - _window(model, i)
+        h = layer(hidden_states=h, target_hidden=context, attention_mask=_mask(allowed), position_ids=positions[None],
+                  position_embeddings=cos_sin)  # fmt: skip
+    hidden = model.norm(h)[0, first : first + gamma]  # (gamma, H)
+    base = model.lm_head(hidden)
+    previous, drafts, logits_out, confidences = int(ids[-1]), [], [], []
+    for row, state in zip(base, hidden):
+        prev = torch.tensor([[previous]])
+        embedded = model.markov_head.prev_embeddings(prev) if model.markov_head is not None else None
+        if embedded is not None:
+            row = row + model.markov_head.block_bias(prev_token_ids=prev, hidden_states=state[None, None],
+                                                     prev_emb=embedded)[0, 0]  # fmt: skip
+        if model.confidence_head is not None:
+            features_in = torch.cat([state, embedded[0, 0]]) if config.confidence_head_with_markov else state
+            confidences.append(float(torch.sigmoid(model.confidence_head(features_in[None, None]))[0, 0]))
+        previous = int(_target_ids(model, row.argmax()))
+        drafts.append(previous)
+        logits_out.append(row)
+    return drafts, torch.stack(logits_out), confidences
+
+
 def main(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     out = Path(job["out"])
@@ -199,22 +252,24 @@ def main(job_path: str) -> None:
     for name, folder in job.get("load", {}).items():
         model = load(folder)
         kind = ("peagle" if isinstance(model, PEagleDraftModel) else "eagle3" if isinstance(model, Eagle3DraftModel)
-                else "dflash")  # fmt: skip
+                else "dspark" if isinstance(model, DSparkDraftModel) else "dflash")  # fmt: skip
         heads[name] = (kind, model)
     summary = {}
     for name, (kind, model) in heads.items():
-        draft = {"eagle3": eagle3_draft, "peagle": peagle_draft, "dflash": dflash_draft}[kind]
-        tensors, drafts = {}, []
-        layers = (model.config.aux_hidden_state_layer_ids if kind == "dflash"
+        draft = {"eagle3": eagle3_draft, "peagle": peagle_draft, "dflash": dflash_draft, "dspark": dspark_draft}[kind]
+        tensors, drafts, confidences = {}, [], []
+        layers = (model.config.aux_hidden_state_layer_ids if kind in ("dflash", "dspark")
                   else model.config.eagle_aux_hidden_state_layer_ids)  # fmt: skip
         for c in range(count):
             ids = cases[f"ids.{c}"]
             features = torch.cat([hidden[f"hidden.{c}"][i] for i in layers], -1).float()  # (n - 1, len(layers) x H)
-            tokens, logits = draft(model, ids, features, job["gamma"])
+            tokens, logits, *more = draft(model, ids, features, job["gamma"])
             drafts.append(tokens)
+            confidences.append(more[0] if more else [])
             tensors[f"logits.{c}"] = logits.contiguous()
         save_file(tensors, str(out / f"{name}.safetensors"))
-        summary[name] = {"drafts": drafts, "config": json.loads(model.config.to_json_string())}
+        summary[name] = {"drafts": drafts, "confidences": confidences,
+                         "config": json.loads(model.config.to_json_string())}  # fmt: skip
     (out / "result.json").write_text(json.dumps(summary))
 
 
