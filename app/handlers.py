@@ -417,7 +417,7 @@ def offer_heads(drafter, target) -> tuple:
         return gr.update(choices=[(h.label, h.spec) for h in found], value=None, visible=True), ""
     name, others = HEAD_NAMES[drafter], ", ".join(heads.elsewhere(drafter))
     where = "forge one for it in the Lab tab's \"Forge a head\" section" if drafter in ("eagle3", "dflash") else \
-        "the Lab's forge trains EAGLE-3 and DFlash heads; load a P-EAGLE head the speculators trainer made"
+        f"the Lab's forge trains EAGLE-3 and DFlash heads; load a {name} the speculators trainer made"
     presets_too = f"; the presets have one for {others}" if others else ""
     return gr.update(choices=[], value=None, visible=False), render.hint(f"No {name} for this target yet: {where}"
                                                                           f"{presets_too}.")

@@ -30,6 +30,7 @@ DRAFTERS = [("draft model", "draft-model"), ("prompt lookup (no model)", "prompt
             ("suffix (this session's outputs)", "suffix"), ("synthetic α (measurement tool)", "synthetic"),
             ("EAGLE-3 head (target's hidden states)", "eagle3"), ("P-EAGLE head (drafts in one pass)", "peagle"),
             ("DFlash head (block of drafts)", "dflash"),
+            ("DSpark head (block, Markov bias, confidence stop)", "dspark"),
             ("MTP (vLLM)", "mtp"), ("n-gram mod (llama.cpp)", "ngram-mod"),
             ("n-gram map-k (llama.cpp)", "ngram-map-k")]  # fmt: skip
 BACKENDS = [("transformers (this process)", "transformers"), ("vLLM (its servers)", "vllm"),
@@ -108,8 +109,9 @@ def build_settings(ui: SimpleNamespace) -> None:
                                        "each draft from the measured verify cost; a draft model goes +2 after a "
                                        "fully accepted draft, -1 after a miss"), "speculation")  # fmt: skip
         widget("ngram", number(3, "prompt lookup: longest n-gram (1-8)", precision=0), "speculation")
-        widget("p_min", number(0, "draft model: confidence stop (0 = off, below 1)",
-                               "stop drafting where the draft's top probability falls below this"),
+        widget("p_min", number(0, "draft model or DSpark head: confidence stop (0 = off, below 1)",
+                               "stop drafting where the draft's top probability (a DSpark head's confidence) falls "
+                               "below this"),
                "speculation")  # fmt: skip
         widget("draft_min", number(0, "shortest draft (0 = any, up to γ)", precision=0), "speculation")
         widget("topk", number(1, f"EAGLE-3 tree: candidates per position (1 = a chain, up to {MAX_TOPK})",

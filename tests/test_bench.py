@@ -290,3 +290,12 @@ def test_a_refused_sweep_leaves_no_earlier_results_and_load_shows_only_on_vllm(m
         assert [u["visible"] for u in lab.load_visible(backend)] == [shown, shown]
     with pytest.raises(Exception, match="batches requests"):
         lab.plan([2], "0", ["prompt-lookup"], ["code"], 1, 1, 8, "1,2", "0", lab_form(model_dirs, backend="llama.cpp"))
+
+
+def test_a_dspark_head_exports_llama_cpp_with_its_confidence_stop_and_vllm_for_a_gpu():
+    data = {"settings": {"target": "org/target", "draft": "/heads/dspark-head", "backend": "transformers"},
+            "cells": [_cell("dspark", 4, 1.6) | {"p_min": 0.6}]}  # fmt: skip
+    snippets = report.snippets(data)
+    assert set(snippets) == {"vllm", "llama.cpp"}  # no SGLang line: not checked that it serves one
+    assert '"method": "dspark"' in snippets["vllm"] and "CPU build refuses DSpark" in snippets["vllm"]
+    assert snippets["llama.cpp"].endswith("--spec-type draft-dspark --spec-draft-n-max 4 --spec-draft-p-min 0.6")

@@ -8,7 +8,8 @@ With dtype float32, llama.cpp runs the bundled model as an f32 GGUF that its own
 the other two load (under dtype auto it runs the shipped Q4_1 file, which computes other logits, so its greedy text
 parts from theirs after a few tokens). Servers start once per configuration and are reused: four vLLM and three
 llama-server starts in all. A P-EAGLE head runs here and on vLLM (its eagle3 with `parallel_drafting`); llama.cpp has
-no P-EAGLE, and the settings say so before anything starts.
+no P-EAGLE, and the settings say so before anything starts. A DSpark head runs here and on llama.cpp (`draft-dspark`),
+with and without its confidence stop; vLLM 0.32 runs DSpark on GPUs only, and the settings say so too.
 """
 
 from __future__ import annotations
@@ -46,6 +47,22 @@ def one_token_head(target, token: int, kind: str = "eagle3"):
     return head
 
 
+def one_token_dspark(target, token: int):
+    """A DSpark head as the trainer makes it by default (sliding layers, a causal block drafting from its first row, a
+    Markov bias, a confidence head over the state and the Markov embedding) whose draft vocabulary is the single token
+    `token`, for the same reason as one_token_head: its drafts are decided by the text, its confidences by its math."""
+    from engine.models.heads import random_head
+
+    head = random_head(target, "dspark", block_size=GAMMA, markov_rank=4, confidence="hidden+markov",
+                       sample_from_anchor=True, windows=(2048,), causal=(True,), seed=3)  # fmt: skip
+    head.config.draft_vocab_size = 1
+    head.lm_head = torch.nn.Linear(head.config.hidden_size, 1, bias=False)
+    head.lm_head.weight.data = target.get_output_embeddings().weight[[token]].clone()
+    head.markov_head.markov_w2 = torch.nn.Linear(4, 1, bias=False)
+    head.d2t = torch.tensor([token])
+    return head.eval().requires_grad_(False)
+
+
 def most_common_token(folder, target) -> int:
     """The token the target writes most often after PROMPT, greedy."""
     from collections import Counter
@@ -78,17 +95,19 @@ def heads(tmp_path_factory):
     write_head(dflash, out / "dflash", "speculators-dflash", verifier=str(folder), speculative_tokens=GAMMA)
     peagle = one_token_head(target, most_common_token(folder, target), "peagle")
     write_head(peagle, out / "peagle", "speculators-peagle", verifier=str(folder), speculative_tokens=GAMMA)
-    yield {"eagle3": str(out / "eagle3"), "dflash": str(out / "dflash"), "peagle": str(out / "peagle")}
+    dspark = one_token_dspark(target, most_common_token(folder, target))
+    write_head(dspark, out / "dspark", "speculators-dspark", verifier=str(folder), speculative_tokens=GAMMA)
+    yield {kind: str(out / kind) for kind in ("eagle3", "dflash", "peagle", "dspark")}
     POOL.stop_all()
 
 
-def settings(backend: str, drafter: str, heads: dict) -> Settings:
+def settings(backend: str, drafter: str, heads: dict, p_min: float = 0.0) -> Settings:
     return Settings(backend=backend, target="bundled", drafter=drafter, draft=heads[drafter], gamma=GAMMA,
-                    max_new_tokens=40, dtype="float32", chat=False, seed=0)  # fmt: skip
+                    max_new_tokens=40, dtype="float32", chat=False, seed=0, p_min=p_min)  # fmt: skip
 
 
-def runs(drafter: str, heads: dict, backends=BACKENDS) -> dict:
-    return {name: compare(settings(name, drafter, heads), PROMPT) for name in backends}
+def runs(drafter: str, heads: dict, backends=BACKENDS, p_min: float = 0.0) -> dict:
+    return {name: compare(settings(name, drafter, heads, p_min), PROMPT) for name in backends}
 
 
 def side_by_side(found: dict) -> str:
@@ -195,3 +214,29 @@ def test_the_llama_cpp_pair_doctor_checks_a_head_against_the_target_its_converte
     assert "eagle3 head (speculators-eagle3 layout) reading target layers [2, 15, 27]" in out
     assert "verifier: the head was trained for" in out and "expect lower acceptance" not in out
     assert "target GGUF x 2 servers " in out and " + head " in out  # the head's weights are counted, once
+
+
+@pytest.mark.parametrize("p_min", [0.0, 0.62])  # this head's confidences run 0.56-0.67: 0.62 cuts some drafts
+def test_a_dspark_head_gives_the_same_ids_and_counts_here_and_on_llama_cpp_and_vllm_says_it_needs_a_gpu(heads, p_min):
+    """llama-server's draft-dspark runs the head from llama.cpp's own conversion of the same folder: ids and counts per
+    position equal to ours, without and with the confidence stop (--spec-draft-p-min), which cuts a draft at the first
+    position whose confidence is below it on both engines."""
+    import gguf
+
+    found = runs("dspark", heads, ("transformers", "llama.cpp"), p_min)
+    print(f"\nDSpark head, p_min {p_min}, kept/reached per draft position\n" + side_by_side(found))
+    ours = found["transformers"].speculative.token_ids
+    for name, c in found.items():
+        assert c.speculative.token_ids == c.baseline.token_ids == ours, name
+    counts = {name: position_counts(c.speculative.steps[1:]) for name, c in found.items()}
+    assert sum(k for _, k in counts["transformers"]) > 0
+    assert counts["llama.cpp"] == counts["transformers"], counts
+    stops = sum("confidence stop" in step.draft_note for step in found["transformers"].speculative.steps)
+    assert (stops > 0) == (p_min > 0), stops
+    flags = found["llama.cpp"].environment["spec_flags"]
+    assert "draft-dspark" in flags and flags[flags.index("--spec-draft-p-min") + 1] == f"{p_min:g}"
+    fields = gguf.GGUFReader(str(head_gguf(settings("llama.cpp", "dspark", heads)))).fields
+    assert bool(fields["dflash.attention.causal"].contents()) and bool(fields["dflash.sample_from_anchor"].contents())
+    with pytest.raises(UserError, match="vLLM 0.32 runs DSpark heads on GPUs only") as refused:
+        settings("vllm", "dspark", heads).validate()
+    assert "transformers or llama.cpp backend" in str(refused.value)

@@ -125,7 +125,8 @@ def files_digest(folders: list[Path], *extra: str) -> str:
 def llama_config(raw: dict, c: HeadConfig) -> dict:
     """The head's config.json as llama.cpp's converter reads it, meaning what ours means: EAGLE-3's feature ids and
     norm flag written out (the converter's defaults differ from vLLM's for an absent flag), speculators' dflash as
-    z-lab's layout (the only DFlash layout the converter knows)."""
+    z-lab's layout (the only DFlash layout the converter knows), a DSpark head as it is; a block head's causality
+    stated (the converter reads it from `is_causal` or `dflash_config.causal` only, and writes none otherwise)."""
     if c.kind == "eagle3":
         if c.num_layers != 1 or c.fc_norm or c.norm_output:
             what = (f"{c.num_layers} layers" if c.num_layers != 1 else "per-feature norms (fc_norm)" if c.fc_norm
@@ -134,8 +135,15 @@ def llama_config(raw: dict, c: HeadConfig) -> dict:
                             f"has {what}: run it on the vLLM or transformers backend.", field="draft")  # fmt: skip
         return raw | {"eagle_aux_hidden_state_layer_ids": list(c.layers), "norm_before_residual":
                       c.norm_before_residual, "draft_vocab_size": c.draft_vocab_size or c.vocab_size}  # fmt: skip
+    causal = set(c.causal) or {False}
+    if len(causal) > 1:
+        raise UserError(f"llama.cpp runs one block causality for all of a head's layers, and this "
+                        f"{HEAD_NAMES[c.kind]} has causal and non-causal layers: run it on the transformers backend.",
+                        field="draft")  # fmt: skip
+    if c.kind == "dspark":  # the converter reads the speculators layout itself; the causality is stated, as ours
+        return raw | {"is_causal": causal.pop()}
     dflash = {"mask_token_id": c.mask_token_id, "target_layer_ids": [i - 1 for i in c.layers],
-              "block_size": c.block_size}  # fmt: skip
+              "block_size": c.block_size, "causal": causal.pop()}  # fmt: skip
     layer = raw.get("transformer_layer_config", raw) if c.layout == "speculators-dflash" else raw
     return layer | {"architectures": ["DFlashDraftModel"], "block_size": c.block_size,
                     "dflash_config": (raw.get("dflash_config") or {}) | dflash}  # fmt: skip

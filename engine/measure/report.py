@@ -109,25 +109,30 @@ def snippets(report: dict) -> dict[str, str]:
 def head_snippets(settings: dict, best: dict) -> dict[str, str]:
     """A draft head on the engines that serve one, at the measured gamma: vLLM and SGLang load the head's folder or
     Hub id as it is; llama.cpp converts it with its own converter first (which reads the target's HF folder). A
-    P-EAGLE head is vLLM's eagle3 with parallel drafting; SGLang and llama.cpp have no P-EAGLE."""
+    P-EAGLE head is vLLM's eagle3 with parallel drafting; SGLang and llama.cpp have no P-EAGLE. A DSpark head: vLLM on
+    a GPU, llama.cpp with its confidence stop (no SGLang line: not checked that it serves one)."""
     target, head, gamma, method = hub_name(settings["target"]), settings["draft"], best["gamma"], best["drafter"]
     if method == "peagle":
         config = {"method": "eagle3", "model": head, "num_speculative_tokens": gamma, "parallel_drafting": True}
         return {"vllm": f"vllm serve {target} --speculative-config '{json.dumps(config)}'"}
     config = {"method": method, "model": head, "num_speculative_tokens": gamma}
+    name = Path(head.rstrip("/")).name
+    llama = (f"python convert_hf_to_gguf.py {shlex.quote(head)} --target-model-dir TARGET_HF_FOLDER --outfile "
+             f"{name}.gguf\nllama-server -m {target.split('/')[-1]}.gguf -md {name}.gguf --spec-type draft-{method} "
+             f"--spec-draft-n-max {gamma}")  # fmt: skip
+    if method == "dspark":  # vLLM runs DSpark on GPUs (its model runner V2); llama.cpp stops at the confidence too
+        return {"vllm": f"vllm serve {target} --speculative-config '{json.dumps(config)}'  # a GPU: vLLM 0.32's CPU "
+                "build refuses DSpark", "llama.cpp": llama + f" --spec-draft-p-min {best.get('p_min', 0.0):g}"}
     algorithm = "EAGLE3" if method == "eagle3" else "DFLASH"
     topk, verified = best.get("topk", 1), gamma + 1
     if topk > 1 and best.get("tree_nodes"):  # SGLang grows EAGLE-2 trees too; vLLM and llama.cpp verify the chain
         verified = round(best["tree_nodes"]) + 1
     chain = f" --speculative-num-steps {gamma} --speculative-eagle-topk {topk}" if method == "eagle3" else ""
-    name = Path(head.rstrip("/")).name
     return {
         "vllm": f"vllm serve {target} --speculative-config '{json.dumps(config)}'",
         "sglang": f"python -m sglang.launch_server --model-path {target} --speculative-algorithm {algorithm} "
         f"--speculative-draft-model-path {head}{chain} --speculative-num-draft-tokens {verified}",
-        "llama.cpp": f"python convert_hf_to_gguf.py {shlex.quote(head)} --target-model-dir TARGET_HF_FOLDER "
-        f"--outfile {name}.gguf\nllama-server -m {target.split('/')[-1]}.gguf -md {name}.gguf "
-        f"--spec-type draft-{method} --spec-draft-n-max {gamma}",
+        "llama.cpp": llama,
     }
 
 
