@@ -207,6 +207,7 @@ def test_a_head_drafter_lists_the_heads_or_points_to_the_labs_forge(tmp_path, mo
     assert "python -m" not in text and "meta-llama/Llama-3.1-8B-Instruct" in text  # where the presets have one
     assert "Forge a head" in plain(handlers.offer_heads("dflash", "bundled")[1])  # the forge makes DFlash heads too
     assert "load a P-EAGLE head the speculators trainer made" in plain(handlers.offer_heads("peagle", "bundled")[1])
+    assert "load a DSpark head the speculators trainer made" in plain(handlers.offer_heads("dspark", "bundled")[1])
     head = head_folder(tmp_path, "mine")
     listed, note = handlers.offer_heads("eagle3", "bundled")
     assert listed["visible"] is True and [v for _, v in listed["choices"]] == [head] and note == ""

@@ -212,3 +212,24 @@ def test_the_reference_heads_are_read_as_the_reference_made_them(oracle):
     assert sb.windows == (0,) and sb.causal == (False,) and not sb.sample_from_anchor and sb.confidence == "hidden"
     assert sb.most_drafts == 7 and sb.draft_vocab_size == 200
     assert len(oracle["cases"][-1]) - 1 > WINDOW  # the last contexts reach past the window
+
+
+@pytest.mark.parametrize("name", ["eagle3-trainer-default", "peagle-trainer-default", "dflash-trainer-default",
+                                  "dspark-trainer-default"])  # fmt: skip
+def test_a_head_the_reference_builds_runs_from_the_playground(oracle, name, monkeypatch):
+    """Each kind's reference-built head, named in the Playground's draft field with its drafter picked, runs through
+    the page's own handler: the run ends lossless and the status names the head's kind."""
+    from tests.test_app import plain, run_handler, ui_values
+
+    root = oracle["out"].parent
+    monkeypatch.setenv("SPECARENA_MODELS_DIR", str(root))  # the folder whose models the app may read
+    kind = BUILT[name]["kind"]
+    values = ui_values({"target": str(root / "target"), "draft": oracle["heads"][name]}, drafter=kind, chat=False,
+                       prompt="abcabcabcabc", max_new_tokens=20, gamma=GAMMA)  # fmt: skip
+    outputs = run_handler(values, session=f"reference-{name}")
+    result, summary, error = outputs[-1][0], outputs[-1][4], outputs[-1][9]
+    assert error == "" and result["status"] == "done" and result["identical"] is True, (name, plain(error))
+    assert result["speculative"]["metrics"]["draft_passes"] > 0 and "outputs identical" in summary
+    said = " ".join(plain(out[1]) for out in outputs)
+    assert {"eagle3": "EAGLE-3 head", "peagle": "P-EAGLE head", "dflash": "DFlash head",
+            "dspark": "DSpark head"}[kind] in said, said  # fmt: skip
