@@ -60,7 +60,7 @@ def build_layout() -> SimpleNamespace:
         ui.drafters = gr.CheckboxGroup(
             [("draft model", "draft-model"), ("prompt lookup", "prompt-lookup"), ("suffix", "suffix"),
              ("synthetic α", "synthetic"), ("EAGLE-3 head", "eagle3"), ("P-EAGLE head", "peagle"),
-             ("DFlash head", "dflash"), ("DSpark head", "dspark"),
+             ("DFlash head", "dflash"), ("DSpark head", "dspark"), ("DFlash2 head", "dflash2"),
              ("n-gram mod (llama.cpp)", "ngram-mod"), ("n-gram map-k (llama.cpp)", "ngram-map-k")],
             value=["prompt-lookup"],
             label="drafters",

@@ -31,6 +31,7 @@ DRAFTERS = [("draft model", "draft-model"), ("prompt lookup (no model)", "prompt
             ("EAGLE-3 head (target's hidden states)", "eagle3"), ("P-EAGLE head (drafts in one pass)", "peagle"),
             ("DFlash head (block of drafts)", "dflash"),
             ("DSpark head (block, Markov bias, confidence stop)", "dspark"),
+            ("DFlash2 head (block, convolutions, candidate selector)", "dflash2"),
             ("MTP (vLLM)", "mtp"), ("n-gram mod (llama.cpp)", "ngram-mod"),
             ("n-gram map-k (llama.cpp)", "ngram-map-k")]  # fmt: skip
 BACKENDS = [("transformers (this process)", "transformers"), ("vLLM (its servers)", "vllm"),

@@ -299,3 +299,13 @@ def test_a_dspark_head_exports_llama_cpp_with_its_confidence_stop_and_vllm_for_a
     assert set(snippets) == {"vllm", "llama.cpp"}  # no SGLang line: not checked that it serves one
     assert '"method": "dspark"' in snippets["vllm"] and "CPU build refuses DSpark" in snippets["vllm"]
     assert snippets["llama.cpp"].endswith("--spec-type draft-dspark --spec-draft-n-max 4 --spec-draft-p-min 0.6")
+
+
+def test_a_dflash2_head_exports_vllm_for_a_gpu_and_llama_cpp_from_its_flat_config():
+    data = {"settings": {"target": "org/target", "draft": "/heads/dflash2-head", "backend": "transformers"},
+            "cells": [_cell("dflash2", 3, 1.4)]}  # fmt: skip
+    snippets = report.snippets(data)
+    assert set(snippets) == {"vllm", "llama.cpp"}
+    assert '"method": "dflash"' in snippets["vllm"] and "CPU build refuses DFlash2" in snippets["vllm"]
+    assert "flat layout" in snippets["llama.cpp"] and snippets["llama.cpp"].endswith("--spec-type draft-dflash "
+                                                                                     "--spec-draft-n-max 3")

@@ -97,7 +97,10 @@ def heads(tmp_path_factory):
     write_head(peagle, out / "peagle", "speculators-peagle", verifier=str(folder), speculative_tokens=GAMMA)
     dspark = one_token_dspark(target, most_common_token(folder, target))
     write_head(dspark, out / "dspark", "speculators-dspark", verifier=str(folder), speculative_tokens=GAMMA)
-    yield {kind: str(out / kind) for kind in ("eagle3", "dflash", "peagle", "dspark")}
+    dflash2 = random_head(target, "dflash2", block_size=GAMMA + 1, conv_kernel_size=2, conv_group_size=16,
+                          selector_rank=16, selector_top_k=8)  # fmt: skip
+    write_head(dflash2, out / "dflash2", "speculators-dflash2", verifier=str(folder), speculative_tokens=GAMMA)
+    yield {kind: str(out / kind) for kind in ("eagle3", "dflash", "peagle", "dspark", "dflash2")}
     POOL.stop_all()
 
 
@@ -240,3 +243,25 @@ def test_a_dspark_head_gives_the_same_ids_and_counts_here_and_on_llama_cpp_and_v
     with pytest.raises(UserError, match="vLLM 0.32 runs DSpark heads on GPUs only") as refused:
         settings("vllm", "dspark", heads).validate()
     assert "transformers or llama.cpp backend" in str(refused.value)
+
+
+def test_a_dflash2_head_runs_here_and_on_llama_cpp_from_its_flat_config_and_vllm_says_it_needs_a_gpu(heads):
+    """llama.cpp's converter reads DFlash2 only in z-lab's flat layout, which the backend writes from the speculators
+    one (convolutions and selector in dflash_config): llama-server's draft-dflash then runs it as DFlash2. A random
+    head accepts almost nothing, so this checks that both engines run it losslessly and what the GGUF says; the math
+    is checked against the reference (tests/test_heads_reference.py)."""
+    import gguf
+
+    found = runs("dflash2", heads, ("transformers", "llama.cpp"))
+    print("\nDFlash2 head (random), kept/reached per draft position\n" + side_by_side(found))
+    ours = found["transformers"].speculative.token_ids
+    for name, c in found.items():
+        assert c.speculative.token_ids == c.baseline.token_ids == ours, name
+        assert c.speculative.metrics.drafted_tokens > 0, name
+    assert "draft-dflash" in found["llama.cpp"].environment["spec_flags"]
+    fields = gguf.GGUFReader(str(head_gguf(settings("llama.cpp", "dflash2", heads)))).fields
+    assert int(fields["dflash.conv_kernel_size"].contents()) == 2
+    assert int(fields["dflash.selector_top_k"].contents()) == 8
+    assert not bool(fields["dflash.attention.causal"].contents())
+    with pytest.raises(UserError, match="vLLM 0.32 runs DFlash2 heads on GPUs only"):
+        settings("vllm", "dflash2", heads).validate()

@@ -55,6 +55,11 @@ BUILT = {
     "dspark-bonus-anchor-full-attention": {"kind": "dspark", "seed": 13, "flags": {
         "mask_token_id": 3, "full_attention_indices": [0], "sample_from_anchor": False, "draft_vocab_size": 200,
         "confidence_head_with_markov": False, "target_layer_ids": [3, 6]}},
+    "dflash2-trainer-default": {"kind": "dflash2", "seed": 15, "flags": {"num_layers": 2, "mask_token_id": 3,
+                                                                             "target_layer_ids": [2, 5]}},
+    "dflash2-full-causal": {"kind": "dflash2", "seed": 16, "flags": {
+        "mask_token_id": 3, "full_attention_indices": [0], "sliding_window_non_causal": False, "conv_kernel_size": 3,
+        "selector_top_k": 5, "target_layer_ids": [3, 6]}},
 }  # fmt: skip
 
 
@@ -107,7 +112,9 @@ def oracle(tmp_path_factory):
                                        seed=9),
             "ours-dspark": random_head(target, "dspark", layers=2, block_size=8, mask_token_id=3, markov_rank=16,
                                        confidence="hidden+markov", sample_from_anchor=True, windows=(WINDOW, WINDOW),
-                                       causal=(True, True), seed=14)}  # fmt: skip
+                                       causal=(True, True), seed=14),
+            "ours-dflash2": random_head(target, "dflash2", layers=2, block_size=8, mask_token_id=3, conv_kernel_size=2,
+                                        conv_group_size=16, selector_rank=8, selector_top_k=6, seed=17)}  # fmt: skip
     for head in ours.values():
         with torch.no_grad():
             for name, p in head.named_parameters():
@@ -137,7 +144,17 @@ def our_drafts(head, vocab: int, ids: list[int], states: torch.Tensor) -> tuple[
     drafter = drafter_for(head, vocab, GAMMA)
     seen, confidences = [], []
     kind = head.config.kind  # EAGLE-3: a pass per draft; P-EAGLE: one over the real and mask rows; DFlash: a block;
-    if kind == "dspark":  # DSpark: a block, then each position's logits with its Markov bias
+    if kind == "dflash2":  # DFlash2: a block, then the selector's scores of each position's candidates
+        select = head.select
+
+        def scored(unary, state, previous):
+            candidates, scores = select(unary, state, previous)
+            seen.append(torch.full_like(unary, float("-inf")).index_copy(0, candidates, scores)[None])
+            return candidates, scores
+
+        head.select = scored
+        hook = None
+    elif kind == "dspark":  # DSpark: a block, then each position's logits with its Markov bias
         markov = head.markov
 
         def recorded(state, previous):
@@ -156,11 +173,13 @@ def our_drafts(head, vocab: int, ids: list[int], states: torch.Tensor) -> tuple[
             tokens = drafter.propose(ids, GAMMA, GREEDY, torch.Generator()).tokens
     finally:
         if hook is None:
-            del head.markov
+            del head.__dict__["select" if kind == "dflash2" else "markov"]
         else:
             hook.remove()
-    rows = [seen[0][-1]] + [s[-1] for s in seen[1:]] if kind in ("eagle3", "dspark") else list(seen[0][-GAMMA:])
-    return tokens, torch.stack(rows).float() * head.config.logit_scale, confidences
+    rows = [seen[0][-1]] + [s[-1] for s in seen[1:]] if kind in ("eagle3", "dspark", "dflash2") else list(
+        seen[0][-GAMMA:])  # fmt: skip
+    scale = 1.0 if kind == "dflash2" else head.config.logit_scale  # the selector's scores are compared as they are
+    return tokens, torch.stack(rows).float() * scale, confidences
 
 
 def agreement(oracle, name: str) -> tuple[int, int, float]:
@@ -172,7 +191,8 @@ def agreement(oracle, name: str) -> tuple[int, int, float]:
     for i, ids in enumerate(oracle["cases"]):
         tokens, ours, confidences = our_drafts(head, target.config.vocab_size, ids, oracle["states"][i])
         agree += tokens == oracle["result"][name]["drafts"][i]
-        worst = max(worst, float((ours - logits[f"logits.{i}"]).abs().max()))
+        kept = torch.isfinite(ours) | torch.isfinite(logits[f"logits.{i}"])  # DFlash2: its candidates' scores
+        worst = max(worst, float((ours - logits[f"logits.{i}"])[kept].abs().max()))
         theirs = oracle["result"][name]["confidences"][i]
         assert len(confidences) == len(theirs)  # a DSpark head's, where it has a confidence head
         worst = max([worst] + [abs(a - b) for a, b in zip(confidences, theirs)])
@@ -186,7 +206,7 @@ def test_a_head_the_reference_builds_drafts_here_what_it_drafts_there(oracle, na
     assert agree == steps and worst < 1e-4, (name, agree, steps, worst)
 
 
-@pytest.mark.parametrize("name", ["ours-eagle3", "ours-dflash", "ours-peagle", "ours-dspark"])
+@pytest.mark.parametrize("name", ["ours-eagle3", "ours-dflash", "ours-peagle", "ours-dspark", "ours-dflash2"])
 def test_a_head_specarena_writes_loads_in_the_reference_and_drafts_the_same(oracle, name):
     agree, steps, worst = agreement(oracle, name)
     assert agree == steps and worst < 1e-4, (name, agree, steps, worst)
@@ -211,11 +231,15 @@ def test_the_reference_heads_are_read_as_the_reference_made_them(oracle):
     assert s.markov_rank == 16 and s.confidence == "hidden+markov" and s.most_drafts == 8
     assert sb.windows == (0,) and sb.causal == (False,) and not sb.sample_from_anchor and sb.confidence == "hidden"
     assert sb.most_drafts == 7 and sb.draft_vocab_size == 200
+    f, fc = c["dflash2-trainer-default"], c["dflash2-full-causal"]
+    assert f.kind == "dflash2" and f.windows == (WINDOW, WINDOW) and f.causal == (False, False)  # its own default
+    assert (f.conv_kernel_size, f.conv_group_size, f.selector_rank, f.selector_top_k) == (2, 16, 32, 8)
+    assert fc.windows == (0,) and fc.causal == (True,) and fc.conv_kernel_size == 3 and fc.selector_top_k == 5
     assert len(oracle["cases"][-1]) - 1 > WINDOW  # the last contexts reach past the window
 
 
 @pytest.mark.parametrize("name", ["eagle3-trainer-default", "peagle-trainer-default", "dflash-trainer-default",
-                                  "dspark-trainer-default"])  # fmt: skip
+                                  "dspark-trainer-default", "dflash2-trainer-default"])  # fmt: skip
 def test_a_head_the_reference_builds_runs_from_the_playground(oracle, name, monkeypatch):
     """Each kind's reference-built head, named in the Playground's draft field with its drafter picked, runs through
     the page's own handler: the run ends lossless and the status names the head's kind."""
@@ -231,5 +255,5 @@ def test_a_head_the_reference_builds_runs_from_the_playground(oracle, name, monk
     assert error == "" and result["status"] == "done" and result["identical"] is True, (name, plain(error))
     assert result["speculative"]["metrics"]["draft_passes"] > 0 and "outputs identical" in summary
     said = " ".join(plain(out[1]) for out in outputs)
-    assert {"eagle3": "EAGLE-3 head", "peagle": "P-EAGLE head", "dflash": "DFlash head",
-            "dspark": "DSpark head"}[kind] in said, said  # fmt: skip
+    assert {"eagle3": "EAGLE-3 head", "peagle": "P-EAGLE head", "dflash": "DFlash head", "dspark": "DSpark head",
+            "dflash2": "DFlash2 head"}[kind] in said, said  # fmt: skip

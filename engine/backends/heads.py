@@ -124,9 +124,10 @@ def files_digest(folders: list[Path], *extra: str) -> str:
 
 def llama_config(raw: dict, c: HeadConfig) -> dict:
     """The head's config.json as llama.cpp's converter reads it, meaning what ours means: EAGLE-3's feature ids and
-    norm flag written out (the converter's defaults differ from vLLM's for an absent flag), speculators' dflash as
-    z-lab's layout (the only DFlash layout the converter knows), a DSpark head as it is; a block head's causality
-    stated (the converter reads it from `is_causal` or `dflash_config.causal` only, and writes none otherwise)."""
+    norm flag written out (the converter's defaults differ from vLLM's for an absent flag), speculators' dflash and
+    dflash2 as z-lab's flat layout (the only one the converter knows for them), a DSpark head as it is; a block head's
+    causality stated (the converter reads it from `is_causal` or `dflash_config.causal` only, and writes none
+    otherwise)."""
     if c.kind == "eagle3":
         if c.num_layers != 1 or c.fc_norm or c.norm_output:
             what = (f"{c.num_layers} layers" if c.num_layers != 1 else "per-feature norms (fc_norm)" if c.fc_norm
@@ -144,8 +145,12 @@ def llama_config(raw: dict, c: HeadConfig) -> dict:
         return raw | {"is_causal": causal.pop()}
     dflash = {"mask_token_id": c.mask_token_id, "target_layer_ids": [i - 1 for i in c.layers],
               "block_size": c.block_size, "causal": causal.pop()}  # fmt: skip
-    layer = raw.get("transformer_layer_config", raw) if c.layout == "speculators-dflash" else raw
-    return layer | {"architectures": ["DFlashDraftModel"], "block_size": c.block_size,
+    if c.kind == "dflash2":  # z-lab's flat DFlash2 config: the convolutions and the selector in dflash_config
+        dflash |= {name: getattr(c, name) for name in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                       "selector_top_k")}  # fmt: skip
+    layer = raw.get("transformer_layer_config", raw) if c.layout.startswith("speculators") else raw
+    architecture = "DFlash2DraftModel" if c.kind == "dflash2" else "DFlashDraftModel"
+    return layer | {"architectures": [architecture], "block_size": c.block_size,
                     "dflash_config": (raw.get("dflash_config") or {}) | dflash}  # fmt: skip
 
 

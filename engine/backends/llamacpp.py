@@ -57,7 +57,7 @@ START_TIMEOUT = float(os.environ.get("SPECARENA_LLAMA_START_TIMEOUT", "180"))
 # drafters -> llama.cpp's --spec-type; ngram-mod and ngram-map-k exist only there
 SPEC_TYPES = {"prompt-lookup": "ngram-simple", "draft-model": "draft-simple", "ngram-mod": "ngram-mod",
               "ngram-map-k": "ngram-map-k", "eagle3": "draft-eagle3", "dflash": "draft-dflash",
-              "dspark": "draft-dspark"}  # fmt: skip
+              "dspark": "draft-dspark", "dflash2": "draft-dflash"}  # fmt: skip
 NEEDED_FLAGS = ("--spec-type", "--spec-draft-n-max", "--spec-draft-n-min", "--spec-draft-p-min", "--spec-draft-model",
                 "--spec-draft-sampling", "--spec-ngram-simple-size-m", "--spec-ngram-map-k-size-m",
                 "--spec-ngram-mod-n-max", "--no-webui")  # fmt: skip

@@ -50,7 +50,8 @@ class HeadConfig:
     """What a head is, whatever layout it was published in (engine.models.heads reads the layouts)."""
 
     kind: str  # "eagle3" | "peagle" (P-EAGLE: EAGLE-3's layers, drafting every position in one pass) | "dflash" |
-    # "dspark" (DSpark: DFlash's block, then a Markov bias on each draft's logits and a confidence per position)
+    # "dspark" (DSpark: DFlash's block, then a Markov bias on each draft's logits and a confidence per position) |
+    # "dflash2" (DFlash2: DFlash's block with local convolutions in each layer, then a candidate selector's walk)
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -82,6 +83,10 @@ class HeadConfig:
     markov_rank: int = 0  # DSpark: the rank of its Markov logit bias (0: none)
     confidence: str = ""  # DSpark: its confidence head's input, "hidden" or "hidden+markov" ("": no confidence head)
     sample_from_anchor: bool = False  # DSpark: the block's first row drafts too (B drafts from a block of B)
+    conv_kernel_size: int = 0  # DFlash2: taps of each layer's two local convolutions over the block (0: none)
+    conv_group_size: int = 0  # DFlash2: channels that share one dynamic tap
+    selector_rank: int = 0  # DFlash2: the candidate selector's rank
+    selector_top_k: int = 0  # DFlash2: the candidates per position the selector scores (0: no selector)
     layout: str = ""  # the layout it was read from: eagle3-original | speculators-eagle3 | dflash | speculators-dflash
     refused: tuple[str, ...] = ()  # fields of its config SpecArena does not run, by name: loading refuses the head
     note: str = ""  # where the references disagree on this head, which one it follows
@@ -93,8 +98,8 @@ class HeadConfig:
 
     @property
     def block(self) -> bool:
-        """DFlash's backbone (a block of drafts in one pass over context features): DFlash and DSpark."""
-        return self.kind in ("dflash", "dspark")
+        """DFlash's backbone (a block of drafts in one pass over context features): DFlash, DSpark, DFlash2."""
+        return self.kind in ("dflash", "dspark", "dflash2")
 
     @property
     def most_drafts(self) -> int:
@@ -173,6 +178,45 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+class BlockConv(nn.Module):
+    """DFlash2's local convolution around a sublayer (speculators' GroupedDynamicCausalConv, vLLM's alike): over the
+    rows of a block, causal, `kernel_size` taps, each tap a learnt base per channel plus a per-row dynamic part per
+    group of `group_size` channels, projected from the sublayer's normed input. `prepare` convolves the input side
+    and returns the output side's dynamic taps, which `finish` uses. Initialised as the identity, as the trainer
+    starts it (a fresh DFlash2 head is DFlash until trained)."""
+
+    def __init__(self, hidden: int, kernel_size: int, group_size: int, block_size: int):
+        super().__init__()
+        self.kernel_size, self.group_size, self.block_size = kernel_size, group_size, block_size
+        self.groups = hidden // group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden))
+        self.kernel_projection = nn.Linear(hidden, 2 * kernel_size * self.groups, bias=False)
+        with torch.no_grad():
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, rows, H) block rows from slot 0 -> the convolved input and the output side's taps."""
+        taps = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.groups)
+        return self.conv(x, taps[..., 0, :, :], self.base_kernel[0]), taps[..., 1, :, :]
+
+    def finish(self, y: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+        return self.conv(y, taps, self.base_kernel[1])
+
+    def conv(self, x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """out[s, c] = the sum over taps t up to s's slot in its block of x[s - t, c] * (base[t, c] + delta[s, t, c's
+        group]): (B, rows, H)."""
+        b, rows, hidden = x.shape
+        grouped = x.view(b, rows, self.groups, self.group_size)
+        slots = torch.arange(rows, device=x.device).remainder(self.block_size)
+        out = torch.zeros_like(grouped)
+        for tap in range(self.kernel_size):
+            shifted = grouped if tap == 0 else F.pad(grouped[:, :-tap], (0, 0, 0, 0, tap, 0))
+            coefficient = base[tap].to(x.dtype).view(1, 1, self.groups, self.group_size) + delta[:, :, tap, :, None]
+            out = out + shifted * coefficient * slots.ge(tap).view(1, rows, 1, 1)
+        return out.view(b, rows, hidden)
+
+
 class HeadLayer(nn.Module):
     """One Llama-style decoder layer of a head. `wide` (EAGLE-3's first layer): q/k/v read the token embedding and
     the feature side by side (2H), each normed on its own. `qk_norm`: Qwen3's per-head norms (DFlash)."""
@@ -201,6 +245,9 @@ class HeadLayer(nn.Module):
         from transformers.activations import ACT2FN
 
         self.act = ACT2FN[c.hidden_act]
+        if c.conv_kernel_size:  # DFlash2
+            self.attention_conv = BlockConv(h, c.conv_kernel_size, c.conv_group_size, c.block_size)
+            self.mlp_conv = BlockConv(h, c.conv_kernel_size, c.conv_group_size, c.block_size)
 
     def split(self, x: torch.Tensor, proj: nn.Linear, heads: int, norm: str | None = None) -> torch.Tensor:
         """(B, rows, width) -> (B, heads, rows, D), through `proj` and the per-head norm named `norm`, if any."""
@@ -218,12 +265,20 @@ class HeadLayer(nn.Module):
         keys = rope(self.split(inp, self.self_attn.k_proj, self.kv_heads, "k_norm"), cos, sin)
         return keys, self.split(inp, self.self_attn.v_proj, self.kv_heads)
 
-    def finish(self, residual: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """o_proj, the residual, and the MLP block: (B, H, rows, D) -> (B, rows, hidden)."""
+    def finish(self, residual: torch.Tensor, attended: torch.Tensor, taps: torch.Tensor | None = None) -> torch.Tensor:
+        """o_proj, the residual, and the MLP block: (B, H, rows, D) -> (B, rows, hidden). A DFlash2 layer convolves
+        the attention's output with `taps` (its attention_conv.prepare's) and the MLP's input and output."""
         b, rows = attended.shape[0], attended.shape[2]
-        h = residual + self.self_attn.o_proj(attended.transpose(1, 2).reshape(b, rows, -1))
+        out = self.self_attn.o_proj(attended.transpose(1, 2).reshape(b, rows, -1))
+        if taps is not None:
+            out = self.attention_conv.finish(out, taps)
+        h = residual + out
         m, normed = self.mlp, self.post_attention_layernorm(h)
-        return h + m.down_proj(self.act(m.gate_proj(normed)) * m.up_proj(normed))
+        conv = getattr(self, "mlp_conv", None)
+        if conv is None:
+            return h + m.down_proj(self.act(m.gate_proj(normed)) * m.up_proj(normed))
+        normed, taps = conv.prepare(normed)
+        return h + conv.finish(m.down_proj(self.act(m.gate_proj(normed)) * m.up_proj(normed)), taps)
 
 
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int = 0,
@@ -245,8 +300,8 @@ def attend(q, keys, values, mask: torch.Tensor | None = None) -> torch.Tensor:
 
 
 class Head(nn.Module):
-    """The weights of a head, EAGLE-3, P-EAGLE, DFlash or DSpark, and its forward passes. `embed` (and for DFlash and
-    DSpark `lm_head`) are the target's, unless the head ships its own."""
+    """The weights of a head, EAGLE-3, P-EAGLE, DFlash, DSpark or DFlash2, and its forward passes. `embed` (and for
+    the block kinds `lm_head`) are the target's, unless the head ships its own."""
 
     def __init__(self, c: HeadConfig):
         super().__init__()
@@ -266,6 +321,12 @@ class Head(nn.Module):
             self.markov_head = nn.Module()
             self.markov_head.markov_w1 = nn.Embedding(c.vocab_size, c.markov_rank)
             self.markov_head.markov_w2 = nn.Linear(c.markov_rank, c.draft_vocab_size or c.vocab_size, bias=False)
+        if c.selector_top_k:  # DFlash2: score = unary + (predecessor_codebook[prev] * hidden_projection(state)) .
+            # successor_codebook[candidate], over the unary top-k
+            self.candidate_selector = nn.Module()
+            self.candidate_selector.predecessor_codebook = nn.Parameter(torch.zeros(c.vocab_size, c.selector_rank))
+            self.candidate_selector.successor_codebook = nn.Parameter(torch.zeros(c.vocab_size, c.selector_rank))
+            self.candidate_selector.hidden_projection = nn.Linear(c.hidden_size, c.selector_rank, bias=False)
         if c.confidence:  # DSpark: sigmoid(proj(final state, and the Markov embedding where it says so))
             self.confidence_head = nn.Module()
             extra = c.markov_rank if c.confidence == "hidden+markov" else 0
@@ -344,6 +405,16 @@ class Head(nn.Module):
         features = torch.cat((state, embedded.to(state.dtype))) if c.confidence == "hidden+markov" else state
         return logits, torch.sigmoid(self.confidence_head.proj(features)[0].float())
 
+    def select(self, unary: torch.Tensor, state: torch.Tensor, previous: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """DFlash2, one draft position: its candidates, the top `selector_top_k` of its logits `unary` (vocabulary,),
+        and their scores, each logit plus (predecessor_codebook[previous] * hidden_projection(state)) .
+        successor_codebook[candidate], as speculators' CandidateSelector.score_candidates adds them."""
+        selector = self.candidate_selector
+        values, candidates = unary.topk(self.config.selector_top_k)
+        context = selector.predecessor_codebook[previous] * selector.hidden_projection(state).to(
+            selector.predecessor_codebook.dtype)  # fmt: skip
+        return candidates, values + (context[None] * selector.successor_codebook[candidates]).sum(-1).to(values.dtype)
+
     def output(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The last layer's states -> (the state fed back at the next position, draft-vocab logits)."""
         out = self.norm(h)
@@ -389,12 +460,14 @@ class Head(nn.Module):
         cos, sin = self.rotary(past, rows + size, ctx.dtype)
         h = self.embed_tokens(block)[None]  # (1, B, H)
         for i, layer in enumerate(self.layers):
-            inp = layer.input_layernorm(h)
+            inp, taps = layer.input_layernorm(h), None
+            if c.conv_kernel_size:  # DFlash2: the block rows convolved before attention (the context is not)
+                inp, taps = layer.attention_conv.prepare(inp)
             q = layer.query(inp, cos[:, :, rows:], sin[:, :, rows:])  # the block's positions
             keys, values = layer.keys_values(torch.cat((ctx, inp), dim=1), cos, sin)  # (1, KV, rows + B, D)
             cache.keys[i][:, :, past:total], cache.values[i][:, :, past:total] = keys, values
             seen = visible(q_pos, k_pos, c.block_causal(i), c.window(i))
-            h = layer.finish(h, attend(q, cache.keys[i][:, :, :total], cache.values[i][:, :, :total], seen))
+            h = layer.finish(h, attend(q, cache.keys[i][:, :, :total], cache.values[i][:, :, :total], seen), taps)
         cache.length = past + rows  # the block's own keys are dropped: the next block comes with new context
         return self.norm(h[0])
 
@@ -606,6 +679,42 @@ class DSpark(HeadDrafter):
             probs.append(q)
             previous = token
         return Draft(tokens, None if cfg.greedy or not probs else torch.stack(probs), passes=1, note=note)
+
+
+class DFlash2(HeadDrafter):
+    """DFlash2 drafting: DFlash's block pass through layers with local convolutions, then the candidate selector's
+    walk, left to right: each position's candidates are the top `selector_top_k` of its logits, each scored by its
+    logit plus a bilinear term of the token before it (the last verified token before the first draft), the
+    position's final state and the candidate; greedy runs take the best, sampled runs draw from the scores (q is
+    zero outside the candidates), and the token taken is the next position's predecessor (speculators'
+    DFlash2DraftModel and CandidateSelector; vLLM's dflash2 speculator walks the same way, on GPUs)."""
+
+    name = "dflash2"
+
+    def propose(self, ids, limit, cfg, generator) -> Draft:
+        c, head = self.head.config, self.head
+        size = min(self.gamma, c.block_size - 1)
+        gamma = min(size, limit)
+        if gamma <= 0:
+            return Draft([])
+        device = head.fc.weight.device
+        features = self._take(ids)
+        block = torch.tensor([ids[-1]] + [c.mask_token_id] * size, device=device)
+        states = head.dflash(features, block, self.cache)[1 : 1 + gamma]  # (gamma, H)
+        self.fed += features.shape[0]
+        tokens, probs, previous = [], [], ids[-1]
+        for state, unary in zip(states, head.logits(states)):
+            candidates, scores = head.select(unary, state, previous)
+            if cfg.greedy:
+                token, q = int(candidates[scores.argmax()]), None
+            else:
+                full = scores.new_full((self.vocab_size,), float("-inf")).index_copy_(0, candidates, scores)
+                q = logits_to_probs(full, cfg)
+                token = int(sample(q, generator))
+            tokens.append(token)
+            probs.append(q)
+            previous = token
+        return Draft(tokens, None if cfg.greedy else torch.stack(probs), passes=1)
 
 
 class PEagle(HeadDrafter):

@@ -110,7 +110,8 @@ def head_snippets(settings: dict, best: dict) -> dict[str, str]:
     """A draft head on the engines that serve one, at the measured gamma: vLLM and SGLang load the head's folder or
     Hub id as it is; llama.cpp converts it with its own converter first (which reads the target's HF folder). A
     P-EAGLE head is vLLM's eagle3 with parallel drafting; SGLang and llama.cpp have no P-EAGLE. A DSpark head: vLLM on
-    a GPU, llama.cpp with its confidence stop (no SGLang line: not checked that it serves one)."""
+    a GPU, llama.cpp with its confidence stop (no SGLang line: not checked that it serves one); a DFlash2 head: vLLM for
+    a GPU, llama.cpp from the flat config its converter reads."""
     target, head, gamma, method = hub_name(settings["target"]), settings["draft"], best["gamma"], best["drafter"]
     if method == "peagle":
         config = {"method": "eagle3", "model": head, "num_speculative_tokens": gamma, "parallel_drafting": True}
@@ -123,6 +124,12 @@ def head_snippets(settings: dict, best: dict) -> dict[str, str]:
     if method == "dspark":  # vLLM runs DSpark on GPUs (its model runner V2); llama.cpp stops at the confidence too
         return {"vllm": f"vllm serve {target} --speculative-config '{json.dumps(config)}'  # a GPU: vLLM 0.32's CPU "
                 "build refuses DSpark", "llama.cpp": llama + f" --spec-draft-p-min {best.get('p_min', 0.0):g}"}
+    if method == "dflash2":  # vLLM reads the speculators folder (as its dflash method); llama.cpp's converter does not
+        flat = ("# llama.cpp's converter reads DFlash2 in z-lab's flat layout only: the config SpecArena's llama.cpp "
+                "backend writes (engine/backends/heads.py, llama_config)\n")
+        return {"vllm": f"vllm serve {target} --speculative-config '{json.dumps(config | {'method': 'dflash'})}'  "
+                "# a GPU: vLLM 0.32's CPU build refuses DFlash2", "llama.cpp": flat + llama.replace("draft-dflash2",
+                                                                                                  "draft-dflash")}
     algorithm = "EAGLE3" if method == "eagle3" else "DFLASH"
     topk, verified = best.get("topk", 1), gamma + 1
     if topk > 1 and best.get("tree_nodes"):  # SGLang grows EAGLE-2 trees too; vLLM and llama.cpp verify the chain

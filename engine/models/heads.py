@@ -38,13 +38,14 @@ from pathlib import Path
 
 import torch
 
-from engine.decoding.heads import DFlash, DSpark, Eagle3, Head, HeadConfig, PEagle
+from engine.decoding.heads import DFlash, DFlash2, DSpark, Eagle3, Head, HeadConfig, PEagle
 from engine.errors import UserError
 from engine.models.loading import allow_pickle, hub_folder, resolve
 
 # each layout's head kind
 KIND_OF = {"speculators-eagle3": "eagle3", "eagle3-original": "eagle3", "dflash": "dflash",
-           "speculators-dflash": "dflash", "speculators-peagle": "peagle", "speculators-dspark": "dspark"}  # fmt: skip
+           "speculators-dflash": "dflash", "speculators-peagle": "peagle", "speculators-dspark": "dspark",
+           "speculators-dflash2": "dflash2"}  # fmt: skip
 LAYOUTS = tuple(KIND_OF)
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose layout we write
 
@@ -85,8 +86,8 @@ def layout_of(raw: dict) -> str:
     if f"speculators-{kind}" in KIND_OF:
         return f"speculators-{kind}"
     if kind:
-        raise UserError(f"speculators head type {kind!r} is not one SpecArena runs: eagle3, peagle, dflash and "
-                        "dspark are.", field="draft")  # fmt: skip
+        raise UserError(f"speculators head type {kind!r} is not one SpecArena runs: eagle3, peagle, dflash, "
+                        "dspark and dflash2 are.", field="draft")  # fmt: skip
     if "dflash_config" in raw or "DFlashDraftModel" in raw.get("architectures", []):
         return "dflash"
     if "draft_vocab_size" in raw or any("Eagle3" in a for a in raw.get("architectures", [])):
@@ -149,7 +150,7 @@ def _attention(view: dict, kind: str, layers: int) -> tuple[tuple[int, ...], tup
     types, refused = _layer_types(view, layers), []
     window = view.get("sliding_window") or 0
     sliding = [t == "sliding_attention" for t in types] if types else [False] * layers
-    if kind not in ("dflash", "dspark"):
+    if kind not in ("dflash", "dspark", "dflash2"):
         return tuple(window if s else 0 for s in sliding), (), refused
     dflash = view.get("dflash_config") or {}
     use_swa = bool(dflash.get("use_swa"))
@@ -173,7 +174,7 @@ def _vllm_view(raw: dict, layout: str) -> dict:
     if not layout.startswith("speculators"):
         return raw
     view = dict(raw.get("transformer_layer_config") or {})
-    if layout == "speculators-dflash":
+    if layout in ("speculators-dflash", "speculators-dflash2"):  # update_dflash2 is update_dflash, and more keys
         view["dflash_config"] = {"mask_token_id": raw.get("mask_token_id"),
                                  "sample_from_anchor": raw.get("sample_from_anchor", False),
                                  "causal": not raw.get("sliding_window_non_causal", True)}  # fmt: skip
@@ -196,9 +197,9 @@ def _refused(raw: dict, view: dict, kind: str, layout: str) -> list[str]:
         out.append("`use_aux_hidden_state: false`")
     if layout.startswith("speculators") and view.get("model_type", "llama") not in ("llama", "qwen3"):
         out.append(f"`transformer_layer_config.model_type` {view.get('model_type')!r} (vLLM runs llama and qwen3)")
-    if kind in ("dflash", "dspark"):
+    if kind in ("dflash", "dspark", "dflash2"):
         dflash = view.get("dflash_config") or {}
-        if kind == "dflash" and (dflash.get("sample_from_anchor") or raw.get("sample_from_anchor")):
+        if kind != "dspark" and (dflash.get("sample_from_anchor") or raw.get("sample_from_anchor")):
             out.append("`sample_from_anchor: true` on a DFlash head (vLLM refuses it too)")
         if dflash.get("attention_value_scale") is not None:
             out.append("`dflash_config.attention_value_scale`")
@@ -206,6 +207,17 @@ def _refused(raw: dict, view: dict, kind: str, layout: str) -> list[str]:
             out.append("attention sink biases (`attention_sink_bias`)")
         if dflash.get("mask_token_id", raw.get("mask_token_id")) is None:
             out.append("no `mask_token_id` (the token that fills the block)")
+    if kind == "dflash2":
+        needed = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+        missing = [k for k in needed if not raw.get(k)]
+        if missing:
+            out.append(f"no {', '.join(f'`{k}`' for k in missing)} (vLLM needs them too)")
+        elif view.get("hidden_size", 0) % raw["conv_group_size"] or raw["conv_kernel_size"] > raw.get("block_size", 0):
+            out.append("`conv_group_size` that does not divide the hidden size, or `conv_kernel_size` over the block")
+        vocab = view.get("vocab_size")
+        if raw.get("draft_vocab_size") and vocab and raw["draft_vocab_size"] != vocab:
+            out.append("a reduced `draft_vocab_size` (DFlash2 drafts over the full vocabulary, as its trainer "
+                       "requires)")
     if kind == "dspark":
         if raw.get("markov_head_type", "vanilla") != "vanilla":
             out.append(f"`markov_head_type: {raw['markov_head_type']}` (vLLM 0.32 and llama.cpp run the vanilla Markov "
@@ -266,8 +278,16 @@ def head_config(raw: dict, target_config) -> HeadConfig:
         proposed_gamma=int(next(iter((raw.get("speculators_config") or {}).get("proposal_methods") or []),
                                 {}).get("speculative_tokens") or 0),
         layout=layout, refused=tuple(refused + _refused(raw, view, kind, layout)),
-        note=_disagreement(raw, layout, windows), **_dspark_fields(raw, kind),
+        note=_disagreement(raw, layout, windows), **_dspark_fields(raw, kind), **_dflash2_fields(raw, kind),
     )  # fmt: skip
+
+
+def _dflash2_fields(raw: dict, kind: str) -> dict:
+    """A DFlash2 head's convolutions and candidate selector (refused by name where one is missing: `_refused`)."""
+    if kind != "dflash2":
+        return {}
+    return {name: int(raw.get(name) or 0) for name in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                       "selector_top_k")}  # fmt: skip
 
 
 def _dspark_fields(raw: dict, kind: str) -> dict:
@@ -283,7 +303,8 @@ def _dspark_fields(raw: dict, kind: str) -> dict:
 
 def _disagreement(raw: dict, layout: str, windows: tuple[int, ...]) -> str:
     """Where speculators' own forward and vLLM run this head differently, what we follow."""
-    if layout == "speculators-dflash" and not raw.get("sliding_window_non_causal", True) and not all(windows):
+    speculators_block = layout in ("speculators-dflash", "speculators-dflash2")
+    if speculators_block and not raw.get("sliding_window_non_causal", True) and not all(windows):
         return ("its full-attention layers run the block causally, as vLLM 0.32 does (sliding_window_non_causal is "
                 "false); speculators' own forward runs them non-causally")  # fmt: skip
     return ""
@@ -489,7 +510,9 @@ def describe(head: Head) -> str:
     what = (f"{c.num_layers}-layer EAGLE-3 head, draft vocabulary {vocab}" if c.kind == "eagle3"
             else f"{c.num_layers}-layer P-EAGLE head (all drafts in one pass), draft vocabulary {vocab}"
             if c.kind == "peagle" else f"{c.num_layers}-layer DFlash head, blocks of {c.block_size}"
-            if c.kind == "dflash" else f"{c.num_layers}-layer DSpark head, blocks of {c.block_size}"
+            if c.kind == "dflash" else f"{c.num_layers}-layer DFlash2 head, blocks of {c.block_size}, "
+            f"{c.conv_kernel_size}-tap convolutions, a candidate selector over the top {c.selector_top_k}"
+            if c.kind == "dflash2" else f"{c.num_layers}-layer DSpark head, blocks of {c.block_size}"
             f"{' drafting from their first row' if c.sample_from_anchor else ''}, "
             + (f"a rank-{c.markov_rank} Markov bias" if c.markov_rank else "no Markov bias")
             + (f", a confidence head ({c.confidence})" if c.confidence else ", no confidence head"))  # fmt: skip
@@ -515,6 +538,8 @@ def drafter_for(head: Head, vocab_size: int, gamma: int, adaptive: bool = False,
         return PEagle(head, vocab_size, gamma, adaptive)
     if head.config.kind == "dspark":
         return DSpark(head, vocab_size, gamma, adaptive, p_min)
+    if head.config.kind == "dflash2":
+        return DFlash2(head, vocab_size, gamma, adaptive)
     return DFlash(head, vocab_size, gamma, adaptive)
 
 
@@ -607,6 +632,17 @@ def write_head(
             "markov_rank": c.markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": bool(c.confidence),
             "confidence_head_with_markov": c.confidence == "hidden+markov",
         }  # fmt: skip
+    elif layout == "speculators-dflash2":
+        config = {
+            "architectures": ["DFlash2Speculator"], "speculators_model_type": "dflash2",
+            "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": _layer_dict(c, "qwen3"),
+            "draft_vocab_size": draft_vocab, "target_hidden_size": c.target_hidden_size or None,
+            "block_size": c.block_size, "mask_token_id": c.mask_token_id,
+            "aux_hidden_state_layer_ids": list(c.layers), "speculators_config": speculators,
+            "sliding_window_non_causal": not _one_causality(c), "sample_from_anchor": False,
+            "conv_kernel_size": c.conv_kernel_size, "conv_group_size": c.conv_group_size,
+            "selector_rank": c.selector_rank, "selector_top_k": c.selector_top_k,
+        }  # fmt: skip
     else:
         config = {
             "architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
@@ -637,11 +673,12 @@ def random_head(target, kind: str = "eagle3", draft_vocab: int = 0, layers: int 
     """A head with random layers for `target` (tests, and the forge's starting point): the target's layer shape,
     its embedding, and for EAGLE-3 an LM head of the target's rows for a draft vocabulary of `draft_vocab` ids
     (0: the whole vocabulary; P-EAGLE alike, with a random `mask_hidden`). A DSpark head takes its Markov rank,
-    confidence head and layout as `flags` (HeadConfig's fields)."""
+    confidence head and layout as `flags` (HeadConfig's fields), a DFlash2 head its convolutions and selector (random,
+    where its trainer starts the convolutions at the identity)."""
     text = target.config.get_text_config()
     p = next(target.parameters())
     heads, depth = text.num_attention_heads, text.num_hidden_layers
-    block = kind in ("dflash", "dspark")
+    block = kind in ("dflash", "dspark", "dflash2")
     c = HeadConfig(
         kind=kind, hidden_size=text.hidden_size, num_layers=layers, num_heads=heads,
         num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
@@ -661,6 +698,11 @@ def random_head(target, kind: str = "eagle3", draft_vocab: int = 0, layers: int 
     if kind == "peagle":
         with torch.no_grad():
             head.mask_hidden.normal_()  # speculators starts it at torch.randn too
+    if kind == "dflash2":  # the trainer starts its convolutions at the identity: random ones, so that they matter
+        with torch.no_grad():
+            for name, p in head.named_parameters():
+                if "_conv." in name or name.startswith("candidate_selector."):
+                    p.normal_(0.0, 0.3)
     if c.eagle:
         out = linear_weight(target.get_output_embeddings())
         keep = torch.arange(draft_vocab or c.vocab_size, device=p.device)

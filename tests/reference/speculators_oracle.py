@@ -10,8 +10,10 @@ reference's own modules (embedding, fc and its norms, decoder layers, rotary, fi
 masks follow vLLM 0.32: a sliding layer lets a row at position p see positions above p - W, a DFlash block is causal
 per layer as the head's config says, a P-EAGLE pass is causal over the real rows and the mask rows after them (at
 inference every rollout is the newest anchor's: speculators' peagle mask reduces to causal), a DSpark head adds its
-Markov bias draft by draft and says each position's confidence. Writes, per head, the draft ids and the draft logits
-of every step (`OUT/<name>.safetensors`) and a summary (`OUT/result.json`, DSpark's confidences included).
+Markov bias draft by draft and says each position's confidence, a DFlash2 head walks its candidate selector (its
+"logits" are the selector's scores, -inf outside each position's candidates). Writes, per head, the draft ids and the
+draft logits of every step (`OUT/<name>.safetensors`) and a summary (`OUT/result.json`, DSpark's confidences
+included).
 
 Nothing here imports SpecArena: the reference stands on its own.
 """
@@ -26,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from speculators import SpeculatorModel
 from speculators.models.dflash import DFlashDraftModel
+from speculators.models.dflash2 import DFlash2DraftModel
 from speculators.models.dspark import DSparkDraftModel
 from speculators.models.eagle3 import Eagle3DraftModel
 from speculators.models.peagle import PEagleDraftModel
@@ -40,7 +43,7 @@ def build(kind: str, target: str, flags: dict, seed: int):
     mapping, from_training_args); norms made non-trivial so that every norm flag matters."""
     torch.manual_seed(seed)
     layer_config = create_transformer_layer_config(
-        target, flags.get("num_layers", 1), "qwen3" if kind in ("dflash", "dspark") else "llama", None,
+        target, flags.get("num_layers", 1), "qwen3" if kind in ("dflash", "dspark", "dflash2") else "llama", None,
         flags.get("sliding_window", 2048), flags.get("full_attention_indices", []),
     )  # fmt: skip
     vocab = layer_config.vocab_size
@@ -71,6 +74,16 @@ def build(kind: str, target: str, flags: dict, seed: int):
         )  # fmt: skip
         if model.markov_head is not None:  # its init (std 0.01) would leave the bias too small to move an argmax
             model.markov_head.markov_w1.weight.normal_()
+    elif kind == "dflash2":
+        model = DFlash2DraftModel.from_training_args(
+            layer_config, block_size=flags.get("block_size", 8), mask_token_id=flags.get("mask_token_id", 3),
+            sliding_window_non_causal=flags.get("sliding_window_non_causal"),
+            conv_kernel_size=flags.get("conv_kernel_size", 2), conv_group_size=flags.get("conv_group_size", 16),
+            selector_rank=flags.get("selector_rank", 32), selector_top_k=flags.get("selector_top_k", 8), **common,
+        )  # fmt: skip
+        for name, p in model.named_parameters():  # its convolutions start at the identity: random, so they matter
+            if "_conv." in name or name.startswith("candidate_selector."):
+                p.normal_(0.0, 0.3)
     else:
         model = DFlashDraftModel.from_training_args(
             layer_config, t2d=t2d, d2t=d2t, block_size=flags.get("block_size", 8),
@@ -196,6 +209,40 @@ def dflash_draft(model, ids: torch.Tensor, features: torch.Tensor, gamma: int):
     return [int(_target_ids(model, row.argmax())) for row in logits], logits
 
 
+def dflash2_draft(model, ids: torch.Tensor, features: torch.Tensor, gamma: int):
+    """DFlash's block [last token, mask x gamma] through DFlash2's own layers (their convolutions included), then the
+    selector's greedy walk as vLLM's dflash2 speculator makes it: each position's candidates are its unary top-k, scored
+    by CandidateSelector.score_candidates with the token taken before (the last verified one first)."""
+    config = model.config
+    context = model.hidden_norm(model.fc(features[None]))  # (1, n, H)
+    n = context.shape[1]
+    block = torch.tensor([int(ids[-1])] + [config.mask_token_id] * gamma)[None]
+    h = model.embed_tokens(block)
+    positions = torch.arange(n + gamma + 1)
+    cos_sin = model.rotary_emb(context, positions[None])
+    q_pos = positions[n:]
+    causal = not config.sliding_window_non_causal  # vLLM 0.32: one causality, from sliding_window_non_causal
+    for i, layer in enumerate(model.layers):
+        allowed = torch.ones(gamma + 1, n + gamma + 1, dtype=torch.bool)
+        if causal:
+            allowed &= positions[None, :] <= q_pos[:, None]
+        if _window(model, i):
+            allowed &= positions[None, :] > q_pos[:, None] - _window(model, i)
+        h = layer(hidden_states=h, target_hidden=context, attention_mask=_mask(allowed), position_ids=positions[None],
+                  position_embeddings=cos_sin)  # fmt: skip
+    hidden = model.norm(h)[0, 1:]  # (gamma, H)
+    unary = model.lm_head(hidden)
+    selector = model.candidate_selector
+    previous, drafts, scores_out = int(ids[-1]), [], []
+    for row, state in zip(unary, hidden):
+        candidates = row.topk(selector.top_k).indices
+        scores = selector.score_candidates(row[None], state[None], torch.tensor([previous]), candidates[None])[0]
+        previous = int(candidates[scores.argmax()])
+        drafts.append(previous)
+        scores_out.append(torch.full_like(row, float("-inf")).index_copy(0, candidates, scores))
+    return drafts, torch.stack(scores_out)
+
+
 def dspark_draft(model, ids: torch.Tensor, features: torch.Tensor, gamma: int):
     """DFlash's block, then the Markov chain the trainer's comments describe for inference: each draft position's
     logits biased by markov_w2(markov_w1[previous token]), the previous token being the last verified one for the
@@ -252,13 +299,15 @@ def main(job_path: str) -> None:
     for name, folder in job.get("load", {}).items():
         model = load(folder)
         kind = ("peagle" if isinstance(model, PEagleDraftModel) else "eagle3" if isinstance(model, Eagle3DraftModel)
-                else "dspark" if isinstance(model, DSparkDraftModel) else "dflash")  # fmt: skip
+                else "dspark" if isinstance(model, DSparkDraftModel) else "dflash2"
+                if isinstance(model, DFlash2DraftModel) else "dflash")  # fmt: skip
         heads[name] = (kind, model)
     summary = {}
     for name, (kind, model) in heads.items():
-        draft = {"eagle3": eagle3_draft, "peagle": peagle_draft, "dflash": dflash_draft, "dspark": dspark_draft}[kind]
+        draft = {"eagle3": eagle3_draft, "peagle": peagle_draft, "dflash": dflash_draft, "dspark": dspark_draft,
+                 "dflash2": dflash2_draft}[kind]
         tensors, drafts, confidences = {}, [], []
-        layers = (model.config.aux_hidden_state_layer_ids if kind in ("dflash", "dspark")
+        layers = (model.config.aux_hidden_state_layer_ids if kind in ("dflash", "dspark", "dflash2")
                   else model.config.eagle_aux_hidden_state_layer_ids)  # fmt: skip
         for c in range(count):
             ids = cases[f"ids.{c}"]
