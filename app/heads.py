@@ -1,5 +1,5 @@
-"""The draft heads the Playground offers where a head drafter (EAGLE-3, P-EAGLE, DFlash) is picked: those the Lab's
-forge wrote into the cache (for the target in the form, newest first) and those the presets name.
+"""The draft heads the Playground offers where a head drafter (EAGLE-3, P-EAGLE, DFlash, DSpark, DFlash2) is picked:
+those the Lab's forge wrote into the cache (for the target in the form, newest first) and those the presets name.
 
 A head is offered by what its own files say (config.json for its kind, the forge's forge-report.json for its target
 and date), read without loading any weights, so that listing them costs nothing when the drafter changes. A folder

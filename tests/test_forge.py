@@ -1022,3 +1022,18 @@ def test_a_head_beside_is_measured_on_the_same_held_out_prompts_or_refused(forge
     assert table["rows"][1]["beside"] == cfg.out and table["beside"]["best"]["speedup"] == 1.1
     assert table["verdict"].endswith(f"beside it the eagle3 head head, forged in {minutes:g} minutes: 1.10x at "
                                      "gamma 1, accepted length 1.40.")
+
+
+def test_head_misses_refuses_a_head_kind_the_forge_does_not_make(model_dirs, tmp_path):
+    """The misses are the trainer's own first-draft hits, which exist for EAGLE-3 and DFlash heads: a DSpark head is
+    refused by name rather than read as an EAGLE-3 chain."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.errors import UserError
+    from engine.forge.misses import report
+    from engine.models.heads import random_head, write_head
+
+    target = AutoModelForCausalLM.from_pretrained(model_dirs["target"])
+    folder = write_head(random_head(target, "dspark", markov_rank=4), tmp_path / "dspark", "speculators-dspark")
+    with pytest.raises(UserError, match="head-misses reads the forge's kinds.*dspark head.*--drafter dspark"):
+        report(str(folder), target=model_dirs["target"], suite="open_qa")

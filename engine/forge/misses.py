@@ -105,6 +105,10 @@ def report(folder: str, target: str | None = None, suite: str | None = None, tok
     loaded = MODELS.get(target, dtype, device, pack=False)
     model, tok = loaded.model, loaded.tokenizer
     head = load_head(folder, model).eval()
+    if head.config.kind not in ("eagle3", "dflash"):  # the trainer's own hits exist for the forge's kinds only
+        raise UserError(f"head-misses reads the forge's kinds, EAGLE-3 and DFlash heads; {folder} is a "
+                        f"{head.config.kind} head: measure it with `python -m engine bench --drafter "
+                        f"{head.config.kind}`.")  # fmt: skip
     text = model.config.get_text_config()
     sets = {}
     if (out / "data").is_dir():
