@@ -61,6 +61,7 @@ def build_layout() -> SimpleNamespace:
             [("draft model", "draft-model"), ("prompt lookup", "prompt-lookup"), ("suffix", "suffix"),
              ("synthetic α", "synthetic"), ("EAGLE-3 head", "eagle3"), ("P-EAGLE head", "peagle"),
              ("DFlash head", "dflash"), ("DSpark head", "dspark"), ("DFlash2 head", "dflash2"),
+             ("MTP head", "mtp-head"),
              ("n-gram mod (llama.cpp)", "ngram-mod"), ("n-gram map-k (llama.cpp)", "ngram-map-k")],
             value=["prompt-lookup"],
             label="drafters",

@@ -32,7 +32,8 @@ DRAFTERS = [("draft model", "draft-model"), ("prompt lookup (no model)", "prompt
             ("DFlash head (block of drafts)", "dflash"),
             ("DSpark head (block, Markov bias, confidence stop)", "dspark"),
             ("DFlash2 head (block, convolutions, candidate selector)", "dflash2"),
-            ("MTP (vLLM)", "mtp"), ("n-gram mod (llama.cpp)", "ngram-mod"),
+            ("MTP head (speculators layout, one layer per draft)", "mtp-head"),
+            ("MTP in the target (vLLM)", "mtp"), ("n-gram mod (llama.cpp)", "ngram-mod"),
             ("n-gram map-k (llama.cpp)", "ngram-map-k")]  # fmt: skip
 BACKENDS = [("transformers (this process)", "transformers"), ("vLLM (its servers)", "vllm"),
             ("llama.cpp (llama-server)", "llama.cpp")]  # fmt: skip

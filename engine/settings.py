@@ -17,21 +17,25 @@ from engine.errors import UserError
 
 BUNDLED = "bundled:smollm2-135m-instruct"
 MAX_GAMMA = 16  # the longest draft: the UI's bound, adaptive gamma's ceiling, the predictor's range
-HEADS = ("eagle3", "peagle", "dflash", "dspark", "dflash2")  # heads over the target's states (engine.decoding.heads)
+HEADS = ("eagle3", "peagle", "dflash", "dspark", "dflash2", "mtp-head")  # over the target's states (decoding.heads)
 NOT_SERVED = {  # backend -> the heads it cannot run, and why: said before anything starts
     "llama.cpp": {"peagle": "llama.cpp b11434 has no P-EAGLE drafting (no --spec-type for it, and its converter "
-                            "refuses PEagleDraftModel)"},
+                            "refuses PEagleDraftModel)",
+                  "mtp-head": "llama.cpp b11434 drafts MTP (draft-mtp) only from layers inside the target's own GGUF, "
+                              "for the architectures that ship them, never from a head folder"},
     "vllm": {"dspark": "vLLM 0.32 runs DSpark heads on GPUs only (its CPU build has no Triton, and the model runner it "
                        "falls back to refuses DSpark)",
              "dflash2": "vLLM 0.32 runs DFlash2 heads on GPUs only (its CPU build has no Triton, and the model runner "
-                        "it falls back to refuses DFlash candidate-head drafts)"},
+                        "it falls back to refuses DFlash candidate-head drafts)",
+             "mtp-head": "vLLM 0.32 serves MTP only from layers inside the target's own checkpoint (the mtp drafter), "
+                         "not an MTP layer in speculators' layout (its speculators adapter refuses mtp)"},
 }  # fmt: skip
 VLLM_ONLY = ("mtp",)  # methods vLLM ships and the in-process engine lacks
 LLAMA_ONLY = ("ngram-mod", "ngram-map-k")  # llama.cpp's own n-gram drafters
 DRAFTERS = ("draft-model", "prompt-lookup", "suffix", "synthetic") + HEADS + VLLM_ONLY + LLAMA_ONLY
 TAKES_DRAFT = ("draft-model", "synthetic") + HEADS  # use a named draft model or head (synthetic: for its cost)
 HEAD_NAMES = {"eagle3": "EAGLE-3 head", "peagle": "P-EAGLE head", "dflash": "DFlash head", "dspark": "DSpark head",
-              "dflash2": "DFlash2 head"}
+              "dflash2": "DFlash2 head", "mtp-head": "MTP head"}
 BACKENDS = ("transformers", "vllm", "llama.cpp")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 STRICT = ("auto", "on", "off")  # strict mode: every target pass at one width (engine.decoding.runtime.forward)
@@ -130,7 +134,7 @@ class Settings:
             bad("draft", "is empty, and the draft-model drafter needs one: name it, or pick prompt lookup.")
         if self.drafter in HEADS and not self.draft.strip():
             forge = ("one made by the speculators trainer (the forge makes EAGLE-3 and DFlash heads)"
-                     if self.drafter in ("peagle", "dspark", "dflash2")
+                     if self.drafter in ("peagle", "dspark", "dflash2", "mtp-head")
                      else "forge one in the Lab tab's Forge (`python -m engine forge` on the command line)")
             raise UserError(f"the {HEAD_NAMES[self.drafter]} drafter needs a head: name its folder or Hub id in the "
                             "draft field (a preset, or the page's list of heads for this target, fills it), or "

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.decoding.heads import DFlash, DFlash2, DSpark, Eagle3, PEagle
+from engine.decoding.heads import DFlash, DFlash2, DSpark, Eagle3, MTPHead, PEagle
 from engine.decoding.lean import attach
 from engine.decoding.runtime import forward, new_cache
 from engine.decoding.sampling import SamplingConfig
@@ -52,6 +52,7 @@ def heads_of(target):
                                            confidence="hidden", seed=7),
         "dflash2": random_head(target, "dflash2", layers=2, block_size=6, mask_token_id=5, conv_kernel_size=2,
                                conv_group_size=16, selector_rank=8, selector_top_k=6, seed=8),
+        "mtp-head": random_head(target, "mtp-head", seed=9),
     }  # fmt: skip
 
 
@@ -62,7 +63,8 @@ def test_every_layout_reads_back_what_was_written_with_its_layer_ids(target, tmp
     cases = [("eagle3", "eagle3-original"), ("eagle3-reduced", "speculators-eagle3"),
              ("eagle3-norms", "speculators-eagle3"), ("dflash", "dflash"), ("dflash", "speculators-dflash"),
              ("peagle", "speculators-peagle"), ("dspark", "speculators-dspark"),
-             ("dspark-bonus-anchor", "speculators-dspark"), ("dflash2", "speculators-dflash2")]
+             ("dspark-bonus-anchor", "speculators-dspark"), ("dflash2", "speculators-dflash2"),
+             ("mtp-head", "speculators-mtp")]
     for name, layout in cases:
         head = heads[name]
         folder = write_head(head, tmp_path / f"{name}-{layout}", layout, verifier="tiny")
@@ -156,7 +158,7 @@ def test_draft_vocabulary_maps_to_target_ids_and_nothing_outside(target):
     assert draft.probs.shape == (4, 384) and float(draft.probs[:, 50:].sum()) == 0.0
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash", "dspark", "dflash2"])
+@pytest.mark.parametrize("kind", ["eagle3", "peagle", "dflash", "dspark", "dflash2", "mtp-head"])
 def test_sampled_head_drafts_keep_the_target_distribution(kind):
     """Each draft token is drawn from the head's q with the run's temperature, top-k and top-p: the rejection rule
     then gives exactly the target's marginals. A reduced draft vocabulary (q = 0 outside it) too; a DSpark head's q
@@ -166,10 +168,11 @@ def test_sampled_head_drafts_keep_the_target_distribution(kind):
     flags = {"dspark": {"markov_rank": 4, "confidence": "hidden+markov", "sample_from_anchor": True},
              "dflash2": {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 4, "selector_top_k": 5}}
     with torch.no_grad():
-        head = random_head(model, kind, draft_vocab=0 if kind in ("dflash", "dspark", "dflash2") else 6, block_size=4,
+        head = random_head(model, kind, draft_vocab=0 if kind in ("dflash", "dspark", "dflash2", "mtp-head") else 6,
+                           block_size=4,
                            mask_token_id=7, seed=7, **flags.get(kind, {}))  # fmt: skip
-        for name, p in head.named_parameters():  # the block kinds' q is the target's LM head's (and a sharp bias)
-            if kind not in ("dflash", "dspark", "dflash2") and not name.startswith("embed_tokens."):
+        for name, p in head.named_parameters():  # the other kinds' q is the target's LM head's (DSpark: a sharp bias)
+            if kind in ("eagle3", "peagle") and not name.startswith("embed_tokens."):
                 p.mul_(4.0)  # a sharper q, so that acceptance is neither 0 nor 1
     cfg = SamplingConfig(temperature=1.0)
     accepted, drafted = sampled_exactly(model, lambda: drafter_for(head, 8, 3), 3, cfg, [1, 2, 3], 3)
@@ -271,9 +274,9 @@ def test_a_head_for_another_target_is_refused_in_one_sentence(target, tmp_path):
 
 def test_every_layout_is_known():
     assert set(LAYOUTS) == {"speculators-eagle3", "eagle3-original", "dflash", "speculators-dflash",
-                            "speculators-peagle", "speculators-dspark", "speculators-dflash2"}  # fmt: skip
-    assert {Eagle3.name, PEagle.name, DFlash.name, DSpark.name, DFlash2.name} == {"eagle3", "peagle", "dflash",
-                                                                                 "dspark", "dflash2"}  # fmt: skip
+                            "speculators-peagle", "speculators-dspark", "speculators-dflash2", "speculators-mtp"}
+    kinds = {Eagle3.name, PEagle.name, DFlash.name, DSpark.name, DFlash2.name, MTPHead.name}
+    assert kinds == {"eagle3", "peagle", "dflash", "dspark", "dflash2", "mtp-head"}
     raw = {"speculators_model_type": "eagle3", "transformer_layer_config": {
         "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 128}}
     c = head_config(raw, tiny_llama(layers=DEPTH).config)

@@ -176,7 +176,7 @@ def our_drafts(head, vocab: int, ids: list[int], states: torch.Tensor) -> tuple[
             del head.__dict__["select" if kind == "dflash2" else "markov"]
         else:
             hook.remove()
-    rows = [seen[0][-1]] + [s[-1] for s in seen[1:]] if kind in ("eagle3", "dspark", "dflash2") else list(
+    rows = [seen[0][-1]] + [s[-1] for s in seen[1:]] if kind in ("eagle3", "dspark", "dflash2", "mtp-head") else list(
         seen[0][-GAMMA:])  # fmt: skip
     scale = 1.0 if kind == "dflash2" else head.config.logit_scale  # the selector's scores are compared as they are
     return tokens, torch.stack(rows).float() * scale, confidences
@@ -257,3 +257,95 @@ def test_a_head_the_reference_builds_runs_from_the_playground(oracle, name, monk
     said = " ".join(plain(out[1]) for out in outputs)
     assert {"eagle3": "EAGLE-3 head", "peagle": "P-EAGLE head", "dflash": "DFlash head", "dspark": "DSpark head",
             "dflash2": "DFlash2 head"}[kind] in said, said  # fmt: skip
+
+
+def tiny_qwen3(layers: int = 4):
+    """A Qwen3 target: speculators makes MTP layers for Qwen3-family verifiers only."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(21)
+    config = Qwen3Config(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                         initializer_range=0.2, tie_word_embeddings=False, bos_token_id=None, eos_token_id=1,
+                         pad_token_id=0)  # fmt: skip
+    return Qwen3ForCausalLM(config).eval()
+
+
+def pre_norm_states(target, ids: list[int]) -> torch.Tensor:
+    """The target's last layer's output before its final norm for all but the last token: (n - 1, H)."""
+    caught = []
+    hook = target.model.norm.register_forward_pre_hook(lambda module, args: caught.append(args[0]))
+    try:
+        with torch.inference_mode():
+            target(torch.tensor([ids[:-1]]))
+    finally:
+        hook.remove()
+    return caught[0][0].float().contiguous()
+
+
+@pytest.fixture(scope="module")
+def mtp_oracle(tmp_path_factory):
+    """The reference's MTP layer for a tiny Qwen3 target (random weights, its trainer's config class), and one
+    SpecArena writes, each drafting after the same contexts, from the target's last state before its final norm."""
+    python = reference_python()
+    root = tmp_path_factory.mktemp("mtp")
+    target = tiny_qwen3()
+    target.save_pretrained(root / "target")
+    byte_tokenizer().save_pretrained(root / "target")
+    cases = contexts(target)
+    states = [pre_norm_states(target, ids) for ids in cases]
+    ours = random_head(target, "mtp-head", seed=22)
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if not name.startswith(("embed_tokens.", "lm_head.")):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    written = {"ours-mtp": str(write_head(ours, root / "ours-mtp", "speculators-mtp", verifier=str(root / "target")))}
+    save_file({f"ids.{i}": torch.tensor(ids) for i, ids in enumerate(cases)}, str(root / "cases.safetensors"))
+    save_file({f"prenorm.{i}": s for i, s in enumerate(states)}, str(root / "hidden.safetensors"))
+    job = {"target": str(root / "target"), "cases": str(root / "cases.safetensors"),
+           "hidden": str(root / "hidden.safetensors"), "gamma": GAMMA, "out": str(root / "out"),
+           "build": {"mtp-reference": {"kind": "mtp", "seed": 23, "flags": {}}}, "load": written}  # fmt: skip
+    (root / "job.json").write_text(json.dumps(job))
+    run = subprocess.run([python, str(ORACLE), str(root / "job.json")], capture_output=True, text=True, timeout=1800)
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads((root / "out" / "result.json").read_text())
+    heads = {"mtp-reference": str(root / "out" / "heads" / "mtp-reference")} | written
+    return {"target": target, "cases": cases, "states": states, "result": result, "heads": heads, "out": root / "out"}
+
+
+@pytest.mark.parametrize("name", ["mtp-reference", "ours-mtp"])
+def test_an_mtp_layer_drafts_here_what_it_drafts_in_the_reference(mtp_oracle, name):
+    """Our drafter is handed the target's features through the engine's own pass (runtime.forward with PRE_NORM), so
+    the states it reads are checked too: they must be the ones the reference drafted from."""
+    from engine.decoding.runtime import PRE_NORM, forward, new_cache
+
+    target = mtp_oracle["target"]
+    head = load_head(mtp_oracle["heads"][name], target)
+    assert head.config.layers == (PRE_NORM,) and head.config.kind == "mtp-head"
+    with torch.inference_mode():
+        _, ours = forward(target, mtp_oracle["cases"][3][:-1], new_cache(target), layers=(PRE_NORM,))
+    torch.testing.assert_close(ours, mtp_oracle["states"][3], rtol=0, atol=0)
+    logits = load_file(str(mtp_oracle["out"] / f"{name}.safetensors"))
+    agree, worst = 0, 0.0
+    for i, ids in enumerate(mtp_oracle["cases"]):
+        tokens, drafted, _ = our_drafts(head, 384, ids, mtp_oracle["states"][i][None].expand(1, -1, -1))
+        agree += tokens == mtp_oracle["result"][name]["drafts"][i]
+        worst = max(worst, float((drafted - logits[f"logits.{i}"]).abs().max()))
+    print(f"{name}: {agree}/{len(mtp_oracle['cases'])} steps agree, max logit difference {worst:.2e}", file=sys.stderr)
+    assert agree == len(mtp_oracle["cases"]) and worst < 1e-4, (agree, worst)
+
+
+def test_an_mtp_layer_the_reference_builds_runs_from_the_playground(mtp_oracle, monkeypatch):
+    """The reference's MTP layer for a Qwen3 target, named in the Playground's draft field with the MTP head drafter:
+    the run (the target's own forward, which hands the layer its last state before the final norm) ends lossless."""
+    from tests.test_app import plain, run_handler, ui_values
+
+    root = mtp_oracle["out"].parent
+    monkeypatch.setenv("SPECARENA_MODELS_DIR", str(root))
+    values = ui_values({"target": str(root / "target"), "draft": mtp_oracle["heads"]["mtp-reference"]},
+                       drafter="mtp-head", chat=False, prompt="abcabcabcabc", max_new_tokens=20, gamma=GAMMA)
+    outputs = run_handler(values, session="reference-mtp")
+    result, error = outputs[-1][0], outputs[-1][9]
+    assert error == "" and result["status"] == "done" and result["identical"] is True, plain(error)
+    assert result["speculative"]["metrics"]["draft_passes"] > 0
+    assert "MTP head" in " ".join(plain(out[1]) for out in outputs)

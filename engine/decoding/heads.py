@@ -51,7 +51,8 @@ class HeadConfig:
 
     kind: str  # "eagle3" | "peagle" (P-EAGLE: EAGLE-3's layers, drafting every position in one pass) | "dflash" |
     # "dspark" (DSpark: DFlash's block, then a Markov bias on each draft's logits and a confidence per position) |
-    # "dflash2" (DFlash2: DFlash's block with local convolutions in each layer, then a candidate selector's walk)
+    # "dflash2" (DFlash2: DFlash's block with local convolutions in each layer, then a candidate selector's walk) |
+    # "mtp-head" (an MTP layer in speculators' layout: the target's final state and the next token, one per draft)
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -314,6 +315,10 @@ class Head(nn.Module):
                                          for _ in c.layers)  # fmt: skip
         if c.block:
             self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.kind == "mtp-head":  # input_proj over [token_layernorm(embedding), hidden_layernorm(state)]
+            self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
+            self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+            self.token_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(HeadLayer(c, wide=c.eagle and i == 0) for i in range(c.num_layers))
         if c.kind == "peagle":  # the feature of a mask row, in the concatenated features' space (fused as theirs)
             self.mask_hidden = nn.Parameter(torch.zeros(1, 1, c.feature_size))
@@ -358,6 +363,8 @@ class Head(nn.Module):
         """(rows, n x target hidden) -> (rows, hidden): the target's layers fused into one feature."""
         if self.config.fc_norm:
             features = torch.cat([n(f) for n, f in zip(self.fc_norm, features.chunk(len(self.fc_norm), -1))], -1)
+        if self.config.kind == "mtp-head":  # the state goes in as it is: the layer fuses it with the token
+            return features
         if self.config.norm_before_fc:
             features = self.input_norm(features)
         fused = self.fc(features)
@@ -384,6 +391,9 @@ class Head(nn.Module):
         layer = self.layers[i]
         if i > 0:
             return h, layer.input_layernorm(h)
+        if self.config.kind == "mtp-head":  # speculators' MTPLayerMixin: [embedding ; state] projected to H first
+            residual = self.fc(torch.cat((self.token_norm(tokens_embedded), self.hidden_norm(h)), dim=-1))
+            return residual, layer.input_layernorm(residual)
         normed = layer.hidden_norm(h)
         residual = normed if self.config.norm_before_residual else h
         return residual, torch.cat((layer.input_layernorm(tokens_embedded), normed), dim=-1)  # (B, rows, 2H)
@@ -715,6 +725,15 @@ class DFlash2(HeadDrafter):
             probs.append(q)
             previous = token
         return Draft(tokens, None if cfg.greedy else torch.stack(probs), passes=1)
+
+
+class MTPHead(Eagle3):
+    """An MTP layer in speculators' layout drafting a chain, as its trainer runs it: row t pairs token t+1 with the
+    target's last-layer state at position t (before the final norm), the layer's output after its final norm
+    (`final_layernorm`) stands in for the state at the next position; one pass over the kept rows, then one row per
+    further draft (speculators' MTPDraftModel; vLLM serves MTP only from inside a target's own checkpoint)."""
+
+    name = "mtp-head"
 
 
 class PEagle(HeadDrafter):

@@ -257,6 +257,8 @@ class LeanDecoder(torch.nn.Module):
         else:
             x = self._run_layers(x, cache, past, cos, sin, mask, layers, taken)
         cache.length = total
+        if -1 in layers:  # runtime.PRE_NORM: the last layer's output before the final norm (an MTP head's feature)
+            taken[-1] = x[0]
         last = len(model.model.layers)
         if last in layers:  # transformers' last hidden state is after the final norm
             taken[last] = _rms(x, model.model.norm.weight, self.eps)[0]

@@ -5,6 +5,7 @@ Kept apart so both loops read the same way and time the same way.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Iterator
 
@@ -136,7 +137,8 @@ def forward(model, token_ids: list[int], cache, keep: int = 0, width: int = 0, l
     Over a growing cache only (not strict mode's or a compiled model's static one).
 
     `layers` (a draft head's, engine.decoding.heads): also return the hidden states of those layers (indices into
-    transformers' hidden_states) for every one of the n tokens, concatenated: (logits, (n, len(layers) x hidden)).
+    transformers' hidden_states; PRE_NORM, the last layer's output before the final norm, which an MTP head reads)
+    for every one of the n tokens, concatenated: (logits, (n, len(layers) x hidden)).
 
     `width` > 0 (strict mode) runs a pass of up to `width` tokens padded to exactly `width` rows, all of whose
     logits are computed: every such pass then runs the same kernels, so a token's logits do not depend on
@@ -159,10 +161,11 @@ def forward(model, token_ids: list[int], cache, keep: int = 0, width: int = 0, l
     ids = torch.tensor([token_ids + token_ids[-1:] * (size - n)], dtype=torch.long, device=model.device)  # (1, size)
     extra = {"output_hidden_states": True} if layers else {}
     trim = compiled or size > n  # every row's logits come back: the padding and all but `keep` are cut here
-    if compiled:
-        out = step(input_ids=ids, cache=cache, use_cache=True, **extra)  # causal: padding changes nothing
-    else:
-        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=0 if trim else keep, **extra)
+    with _pre_norm(model, layers) as final:
+        if compiled:
+            out = step(input_ids=ids, cache=cache, use_cache=True, **extra)  # causal: padding changes nothing
+        else:
+            out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=0 if trim else keep, **extra)
     logits = out.logits[0, :n] if trim else out.logits[0]
     if size > n:
         cache.crop(n - size)  # drop the padding's keys and values
@@ -172,8 +175,30 @@ def forward(model, token_ids: list[int], cache, keep: int = 0, width: int = 0, l
         logits = logits.clone()  # a CUDA graph reuses its output buffer
     if not layers:
         return logits
-    features = torch.cat([out.hidden_states[i][0, :n] for i in layers], -1)  # (n, len(layers) x hidden)
+    features = torch.cat([_state(out, final, i)[0, :n] for i in layers], -1)  # (n, len(layers) x hidden)
     return logits, features.clone() if compiled else features
+
+
+PRE_NORM = -1  # a feature index: the last decoder layer's output before the final norm (vLLM's aux layer L)
+
+
+@contextlib.contextmanager
+def _pre_norm(model, layers: tuple[int, ...]):
+    """Where `layers` asks for PRE_NORM, the final norm's input of the next pass, caught as it goes in."""
+    caught: list[torch.Tensor] = []
+    if PRE_NORM not in layers:
+        yield caught
+        return
+    norm = model.get_decoder().norm
+    hook = norm.register_forward_pre_hook(lambda module, args: caught.append(args[0]))
+    try:
+        yield caught
+    finally:
+        hook.remove()
+
+
+def _state(out, final: list[torch.Tensor], index: int) -> torch.Tensor:
+    return final[-1] if index == PRE_NORM else out.hidden_states[index]
 
 
 def _tree_pass(model, token_ids: list[int], cache, layers: tuple[int, ...], tree: list[int]):
@@ -184,12 +209,13 @@ def _tree_pass(model, token_ids: list[int], cache, layers: tuple[int, ...], tree
         raise ValueError("a draft tree runs over a growing cache, not a static one (strict mode, compiled passes)")
     positions, mask = layout(tree, cache.get_seq_length())
     ids = torch.tensor([token_ids], dtype=torch.long, device=model.device)
-    out = model(input_ids=ids, cache=cache, use_cache=True, position_ids=positions.long()[None].to(model.device),
-                attention_mask=mask[None, None].to(model.device), output_hidden_states=bool(layers))  # fmt: skip
+    with _pre_norm(model, layers) as final:
+        out = model(input_ids=ids, cache=cache, use_cache=True, position_ids=positions.long()[None].to(model.device),
+                    attention_mask=mask[None, None].to(model.device), output_hidden_states=bool(layers))  # fmt: skip
     logits = out.logits[0]
     if not layers:
         return logits
-    return logits, torch.cat([out.hidden_states[i][0] for i in layers], -1)
+    return logits, torch.cat([_state(out, final, i)[0] for i in layers], -1)
 
 
 def keep_rows(cache, start: int, rows: list[int]) -> None:

@@ -124,6 +124,8 @@ def head_snippets(settings: dict, best: dict) -> dict[str, str]:
     if method == "dspark":  # vLLM runs DSpark on GPUs (its model runner V2); llama.cpp stops at the confidence too
         return {"vllm": f"vllm serve {target} --speculative-config '{json.dumps(config)}'  # a GPU: vLLM 0.32's CPU "
                 "build refuses DSpark", "llama.cpp": llama + f" --spec-draft-p-min {best.get('p_min', 0.0):g}"}
+    if method == "mtp-head":  # served by neither: vLLM and llama.cpp run MTP from inside a target's own checkpoint
+        return {}
     if method == "dflash2":  # vLLM reads the speculators folder (as its dflash method); llama.cpp's converter does not
         flat = ("# llama.cpp's converter reads DFlash2 in z-lab's flat layout only: the config SpecArena's llama.cpp "
                 "backend writes (engine/backends/heads.py, llama_config)\n")

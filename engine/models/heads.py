@@ -38,14 +38,15 @@ from pathlib import Path
 
 import torch
 
-from engine.decoding.heads import DFlash, DFlash2, DSpark, Eagle3, Head, HeadConfig, PEagle
+from engine.decoding.heads import DFlash, DFlash2, DSpark, Eagle3, Head, HeadConfig, MTPHead, PEagle
+from engine.decoding.runtime import PRE_NORM
 from engine.errors import UserError
 from engine.models.loading import allow_pickle, hub_folder, resolve
 
 # each layout's head kind
 KIND_OF = {"speculators-eagle3": "eagle3", "eagle3-original": "eagle3", "dflash": "dflash",
            "speculators-dflash": "dflash", "speculators-peagle": "peagle", "speculators-dspark": "dspark",
-           "speculators-dflash2": "dflash2"}  # fmt: skip
+           "speculators-dflash2": "dflash2", "speculators-mtp": "mtp-head"}  # fmt: skip
 LAYOUTS = tuple(KIND_OF)
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose layout we write
 
@@ -87,7 +88,7 @@ def layout_of(raw: dict) -> str:
         return f"speculators-{kind}"
     if kind:
         raise UserError(f"speculators head type {kind!r} is not one SpecArena runs: eagle3, peagle, dflash, "
-                        "dspark and dflash2 are.", field="draft")  # fmt: skip
+                        "dspark, dflash2 and mtp are.", field="draft")  # fmt: skip
     if "dflash_config" in raw or "DFlashDraftModel" in raw.get("architectures", []):
         return "dflash"
     if "draft_vocab_size" in raw or any("Eagle3" in a for a in raw.get("architectures", [])):
@@ -207,6 +208,14 @@ def _refused(raw: dict, view: dict, kind: str, layout: str) -> list[str]:
             out.append("attention sink biases (`attention_sink_bias`)")
         if dflash.get("mask_token_id", raw.get("mask_token_id")) is None:
             out.append("no `mask_token_id` (the token that fills the block)")
+    if kind == "mtp-head":
+        if int(raw.get("num_nextn_predict_layers", 1)) != 1:
+            out.append(f"`num_nextn_predict_layers: {raw['num_nextn_predict_layers']}` (speculators runs one)")
+        if view.get("model_type") != "qwen3":
+            out.append(f"an MTP layer of model type {view.get('model_type')!r} (the qwen3 one runs here; speculators "
+                       "also makes qwen3_next and qwen3_5 layers, with another attention)")  # fmt: skip
+        if raw.get("draft_vocab_size") and raw["draft_vocab_size"] != view.get("vocab_size"):
+            out.append("a reduced `draft_vocab_size` (speculators' MTP drafts over the full vocabulary)")
     if kind == "dflash2":
         needed = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
         missing = [k for k in needed if not raw.get(k)]
@@ -250,15 +259,18 @@ def head_config(raw: dict, target_config) -> HeadConfig:
         layers = raw.get("eagle_aux_hidden_state_layer_ids") or eagle3_layers(target_layers)
     elif layout == "eagle3-original":
         layers = eagle.get("eagle_aux_hidden_state_layer_ids") or eagle3_layers(target_layers)
+    elif layout == "speculators-mtp":  # the target's last layer before its final norm (vLLM's aux id L)
+        layers = [PRE_NORM]
     elif layout == "dflash":
         ids = dflash.get("target_layer_ids")
         layers = [i + 1 for i in ids] if ids else dflash_layers(target_layers, layer["num_hidden_layers"])
     else:
         layers = raw.get("aux_hidden_state_layer_ids") or dflash_layers(target_layers, layer["num_hidden_layers"])
-    windows, causal, refused = _attention(view, kind, layer["num_hidden_layers"])
+    count = 1 if kind == "mtp-head" else layer["num_hidden_layers"]  # an MTP config is its verifier's: one layer
+    windows, causal, refused = _attention(view, kind, count)
     mask_token = raw.get("mask_token_id", dflash.get("mask_token_id"))
     return HeadConfig(
-        kind=kind, hidden_size=hidden, num_layers=layer["num_hidden_layers"], num_heads=heads,
+        kind=kind, hidden_size=hidden, num_layers=count, num_heads=heads,
         num_kv_heads=layer.get("num_key_value_heads") or heads,
         head_dim=layer.get("head_dim") or hidden // heads, intermediate_size=layer["intermediate_size"],
         rms_norm_eps=layer.get("rms_norm_eps", 1e-6), vocab_size=layer.get("vocab_size") or text.vocab_size,
@@ -269,7 +281,7 @@ def head_config(raw: dict, target_config) -> HeadConfig:
         # absent: vLLM's speculators adapter (update_eagle3) says True, its llama_eagle3 (SafeAILab's layout) False
         norm_before_residual=bool(raw.get("norm_before_residual", layout == "speculators-eagle3")),
         norm_before_fc=bool(eagle.get("norm_before_fc", raw.get("norm_before_fc"))), fc_norm=bool(raw.get("fc_norm")),
-        norm_output=bool(raw.get("norm_output")),
+        norm_output=bool(raw.get("norm_output")) or kind == "mtp-head",  # MTP feeds its final-normed output back
         qk_norm=layer.get("model_type", "qwen3" if kind in ("dflash", "dspark") else "llama") in ("qwen3", "qwen3_moe"),
         windows=windows, causal=causal, logit_scale=float(view.get("logit_scale") or 1.0),
         block_size=int(raw.get("block_size") or dflash.get("block_size") or 0),
@@ -322,7 +334,7 @@ def check(c: HeadConfig, target_config) -> list[str]:
         problems.append(f"the head's vocabulary has {c.vocab_size} tokens, the target's {text.vocab_size}: "
                         "another tokenizer.")  # fmt: skip
     deepest = text.num_hidden_layers
-    if any(not 0 <= i <= deepest for i in c.layers):
+    if any(not 0 <= i <= deepest and i != PRE_NORM for i in c.layers):
         problems.append(f"the head reads target layers {list(c.layers)}, the target has {deepest}: it was made for "
                         "a deeper target.")  # fmt: skip
     if c.block and c.block_size < 2:
@@ -406,8 +418,18 @@ def _normalise(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         name = name.removeprefix("model.")
         if name.startswith("midlayer."):
             name = "layers.0." + name.removeprefix("midlayer.")
+        if name.startswith("mtp_layers.0."):  # speculators' MTP layer: its fusion and final norm are the head's
+            rest = name.removeprefix("mtp_layers.0.")
+            name = MTP_NAMES.get(rest, "layers.0." + rest)
+        if name.startswith("verifier_"):  # the target's own weights, saved by some reference builds
+            continue
         out[name] = tensor
     return out
+
+
+# speculators' MTP layer names -> Head's (the rest of `mtp_layers.0.` is the decoder layer, `layers.0.` here)
+MTP_NAMES = {"input_proj.weight": "fc.weight", "final_layernorm.weight": "norm.weight",
+             "hidden_layernorm.weight": "hidden_norm.weight", "token_layernorm.weight": "token_norm.weight"}
 
 
 def load_head(spec: str, target, progress=lambda message: None) -> Head:
@@ -512,12 +534,15 @@ def describe(head: Head) -> str:
             if c.kind == "peagle" else f"{c.num_layers}-layer DFlash head, blocks of {c.block_size}"
             if c.kind == "dflash" else f"{c.num_layers}-layer DFlash2 head, blocks of {c.block_size}, "
             f"{c.conv_kernel_size}-tap convolutions, a candidate selector over the top {c.selector_top_k}"
-            if c.kind == "dflash2" else f"{c.num_layers}-layer DSpark head, blocks of {c.block_size}"
+            if c.kind == "dflash2" else "an MTP layer (speculators' layout), one pass per draft" if c.kind == "mtp-head"
+            else f"{c.num_layers}-layer DSpark head, blocks of {c.block_size}"
             f"{' drafting from their first row' if c.sample_from_anchor else ''}, "
             + (f"a rank-{c.markov_rank} Markov bias" if c.markov_rank else "no Markov bias")
             + (f", a confidence head ({c.confidence})" if c.confidence else ", no confidence head"))  # fmt: skip
     params = own_parameters(head)
-    return (f"{what}, reads target layers {list(c.layers)}, {attention(c)}, {params / 1e6:.1f}M parameters "
+    reads = ("reads the target's last layer before its final norm" if c.layers == (PRE_NORM,)
+             else f"reads target layers {list(c.layers)}")  # fmt: skip
+    return (f"{what}, {reads}, {attention(c)}, {params / 1e6:.1f}M parameters "
             f"({c.layout} layout)")  # fmt: skip
 
 
@@ -540,6 +565,8 @@ def drafter_for(head: Head, vocab_size: int, gamma: int, adaptive: bool = False,
         return DSpark(head, vocab_size, gamma, adaptive, p_min)
     if head.config.kind == "dflash2":
         return DFlash2(head, vocab_size, gamma, adaptive)
+    if head.config.kind == "mtp-head":
+        return MTPHead(head, vocab_size, gamma, adaptive)
     return DFlash(head, vocab_size, gamma, adaptive)
 
 
@@ -632,6 +659,16 @@ def write_head(
             "markov_rank": c.markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": bool(c.confidence),
             "confidence_head_with_markov": c.confidence == "hidden+markov",
         }  # fmt: skip
+    elif layout == "speculators-mtp":
+        back = {v: k for k, v in MTP_NAMES.items()}
+        state = {"mtp_layers.0." + back.get(k, k.removeprefix("layers.0.")): v for k, v in state.items()}
+        config = {
+            "architectures": ["MTPDraftModel"], "speculators_model_type": "mtp",
+            "speculators_version": SPECULATORS_VERSION, "num_nextn_predict_layers": 1,
+            # the verifier's config, as the trainer writes it (its depth names the state the layer reads)
+            "transformer_layer_config": _layer_dict(c, "qwen3") | {"num_hidden_layers": _depth(verifier)},
+            "speculators_config": speculators,
+        }  # fmt: skip
     elif layout == "speculators-dflash2":
         config = {
             "architectures": ["DFlash2Speculator"], "speculators_model_type": "dflash2",
@@ -660,6 +697,12 @@ def write_head(
     return folder
 
 
+def _depth(verifier: str) -> int:
+    """The layers of the verifier named by a local folder (1 where it is not one here)."""
+    config = Path(verifier) / "config.json" if verifier else None
+    return int(json.loads(config.read_text()).get("num_hidden_layers", 1)) if config and config.is_file() else 1
+
+
 def _one_causality(c: HeadConfig) -> bool:
     """A DFlash head's block causality, one for all layers (what both DFlash layouts can state)."""
     causal = set(c.causal) or {False}
@@ -679,18 +722,20 @@ def random_head(target, kind: str = "eagle3", draft_vocab: int = 0, layers: int 
     p = next(target.parameters())
     heads, depth = text.num_attention_heads, text.num_hidden_layers
     block = kind in ("dflash", "dspark", "dflash2")
+    mtp = kind == "mtp-head"
     c = HeadConfig(
         kind=kind, hidden_size=text.hidden_size, num_layers=layers, num_heads=heads,
         num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
         intermediate_size=text.intermediate_size, rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
         vocab_size=text.vocab_size,
-        layers=dflash_layers(depth, layers) if block else eagle3_layers(depth),
+        layers=dflash_layers(depth, layers) if block else (PRE_NORM,) if mtp else eagle3_layers(depth),
         draft_vocab_size=0 if block else draft_vocab, hidden_act=getattr(text, "hidden_act", "silu"),
         rope={"rope_theta": (getattr(text, "rope_parameters", None) or {}).get("rope_theta", 10000.0)},
-        max_position_embeddings=getattr(text, "max_position_embeddings", 2048), qk_norm=block,
+        max_position_embeddings=getattr(text, "max_position_embeddings", 2048), qk_norm=block or mtp,
+        norm_output=flags.pop("norm_output", False) or mtp,
         block_size=block_size if block else 0, mask_token_id=mask_token_id,
-        layout=f"speculators-{kind}", **flags,
+        layout="speculators-mtp" if mtp else f"speculators-{kind}", **flags,
     )  # fmt: skip
     torch.manual_seed(seed)
     head = Head(c).to(p.device, p.dtype)

@@ -11,7 +11,8 @@ masks follow vLLM 0.32: a sliding layer lets a row at position p see positions a
 per layer as the head's config says, a P-EAGLE pass is causal over the real rows and the mask rows after them (at
 inference every rollout is the newest anchor's: speculators' peagle mask reduces to causal), a DSpark head adds its
 Markov bias draft by draft and says each position's confidence, a DFlash2 head walks its candidate selector (its
-"logits" are the selector's scores, -inf outside each position's candidates). Writes, per head, the draft ids and the
+"logits" are the selector's scores, -inf outside each position's candidates), an MTP layer drafts a chain from the
+verifier's last state before its final norm (`prenorm.N` in the hidden file). Writes, per head, the draft ids and the
 draft logits of every step (`OUT/<name>.safetensors`) and a summary (`OUT/result.json`, DSpark's confidences
 included).
 
@@ -31,6 +32,7 @@ from speculators.models.dflash import DFlashDraftModel
 from speculators.models.dflash2 import DFlash2DraftModel
 from speculators.models.dspark import DSparkDraftModel
 from speculators.models.eagle3 import Eagle3DraftModel
+from speculators.models.mtp import MTPDraftModel, MTPSpeculatorConfig
 from speculators.models.peagle import PEagleDraftModel
 from speculators.train.cli import create_transformer_layer_config
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
@@ -38,9 +40,33 @@ from speculators.train.vocab_mapping import build_vocab_mappings_from_distributi
 torch.set_grad_enabled(False)
 
 
+def build_mtp(target: str, seed: int):
+    """An MTP layer with random weights for a Qwen3 verifier: its trainer extracts one from a checkpoint that ships
+    `mtp.*` weights, which no random target has, so it is built from the verifier's config as the trainer's
+    MTPSpeculatorConfig holds it (the verifier's own decoder config, one layer)."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import AutoConfig
+
+    torch.manual_seed(seed)
+    verifier = AutoConfig.from_pretrained(target)
+    proposals = [GreedyTokenProposalConfig(speculative_tokens=3)]
+    config = MTPSpeculatorConfig(transformer_layer_config=verifier, speculators_config=SpeculatorsConfig(
+        algorithm="mtp", proposal_methods=proposals, default_proposal_method="greedy",
+        verifier=VerifierConfig(name_or_path=target, architectures=["Qwen3ForCausalLM"])))  # fmt: skip
+    model = MTPDraftModel(config)
+    for name, p in model.named_parameters():
+        if name.startswith(("embed_tokens.", "lm_head.", "verifier_")):
+            continue
+        p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    return model.float().eval()
+
+
 def build(kind: str, target: str, flags: dict, seed: int):
     """A head with random weights, built as speculators' trainer builds it (its layer config, its vocabulary
     mapping, from_training_args); norms made non-trivial so that every norm flag matters."""
+    if kind == "mtp":
+        return build_mtp(target, seed)
     torch.manual_seed(seed)
     layer_config = create_transformer_layer_config(
         target, flags.get("num_layers", 1), "qwen3" if kind in ("dflash", "dspark", "dflash2") else "llama", None,
@@ -98,7 +124,8 @@ def build(kind: str, target: str, flags: dict, seed: int):
 
 def load(folder: str):
     model = SpeculatorModel.from_pretrained(folder)
-    model.load_verifier_weights()
+    if not isinstance(model, MTPDraftModel):  # MTP's from_pretrained loads them itself, and drops what it needs not
+        model.load_verifier_weights()
     model.config.transformer_layer_config._attn_implementation = "eager"
     return model.float().eval()
 
@@ -285,6 +312,28 @@ def dspark_draft(model, ids: torch.Tensor, features: torch.Tensor, gamma: int):
     return drafts, torch.stack(logits_out), confidences
 
 
+def mtp_draft(model, ids: torch.Tensor, features: torch.Tensor, gamma: int):
+    """A greedy chain of `gamma` drafts with the MTP layer's own forward (MTPLayerMixin): row t pairs token t+1 with
+    the verifier's last state at position t (before its final norm), each further row pairs the last draft with the
+    previous row's output (after the layer's final norm), one position on; every pass recomputes all rows, causally."""
+    layer = model.mtp_layers[0]
+    n = features.shape[0]
+    tokens, drafts, logits_out, chain = list(ids[1:].tolist()), [], [], []
+    for k in range(gamma):
+        rows = n + k
+        positions = torch.arange(rows)
+        hidden = torch.cat([features] + chain, 0)[None]  # (1, rows, H)
+        embedded = model.embed_tokens(torch.tensor(tokens + drafts[:k])[None])
+        allowed = positions[None, :] <= positions[:, None]
+        out = layer(hidden_states=hidden, token_embeddings=embedded, attention_mask=_mask(allowed),
+                    position_ids=positions[None], position_embeddings=model.rotary_emb(hidden, positions[None]))
+        logits = model.lm_head(out)[0, -1]
+        drafts.append(int(logits.argmax()))
+        logits_out.append(logits)
+        chain.append(out[0, -1:])
+    return drafts, torch.stack(logits_out)
+
+
 def main(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     out = Path(job["out"])
@@ -300,18 +349,22 @@ def main(job_path: str) -> None:
         model = load(folder)
         kind = ("peagle" if isinstance(model, PEagleDraftModel) else "eagle3" if isinstance(model, Eagle3DraftModel)
                 else "dspark" if isinstance(model, DSparkDraftModel) else "dflash2"
-                if isinstance(model, DFlash2DraftModel) else "dflash")  # fmt: skip
+                if isinstance(model, DFlash2DraftModel) else "mtp" if isinstance(model, MTPDraftModel)
+                else "dflash")  # fmt: skip
         heads[name] = (kind, model)
     summary = {}
     for name, (kind, model) in heads.items():
         draft = {"eagle3": eagle3_draft, "peagle": peagle_draft, "dflash": dflash_draft, "dspark": dspark_draft,
-                 "dflash2": dflash2_draft}[kind]
+                 "dflash2": dflash2_draft, "mtp": mtp_draft}[kind]
         tensors, drafts, confidences = {}, [], []
-        layers = (model.config.aux_hidden_state_layer_ids if kind in ("dflash", "dspark", "dflash2")
-                  else model.config.eagle_aux_hidden_state_layer_ids)  # fmt: skip
+        layers = (() if kind == "mtp" else model.config.aux_hidden_state_layer_ids if kind in ("dflash", "dspark",
+                  "dflash2") else model.config.eagle_aux_hidden_state_layer_ids)  # fmt: skip
         for c in range(count):
             ids = cases[f"ids.{c}"]
-            features = torch.cat([hidden[f"hidden.{c}"][i] for i in layers], -1).float()  # (n - 1, len(layers) x H)
+            if kind == "mtp":  # the verifier's last state before its final norm (verifier_last_hidden_states)
+                features = hidden[f"prenorm.{c}"].float()
+            else:
+                features = torch.cat([hidden[f"hidden.{c}"][i] for i in layers], -1).float()  # (n - 1, layers x H)
             tokens, logits, *more = draft(model, ids, features, job["gamma"])
             drafts.append(tokens)
             confidences.append(more[0] if more else [])
