@@ -156,7 +156,8 @@ class Settings:
             bad("drafter", f"{self.drafter!r} runs on the vLLM backend only: choose backend vllm, or another drafter.")
         why = NOT_SERVED.get(self.backend, {}).get(self.drafter)
         if why:
-            others = " or ".join(b for b in BACKENDS if b != self.backend and self.drafter not in NOT_SERVED.get(b, {}))
+            others = " or ".join({"vllm": "vLLM"}.get(b, b) for b in BACKENDS
+                                 if b != self.backend and self.drafter not in NOT_SERVED.get(b, {}))  # fmt: skip
             bad("drafter", f"{why}: run the {HEAD_NAMES[self.drafter]} on the {others} backend.")
         if self.drafter in LLAMA_ONLY and self.backend != "llama.cpp":
             bad("drafter", f"{self.drafter!r} runs on the llama.cpp backend only: choose backend llama.cpp, or "
