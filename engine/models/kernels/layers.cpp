@@ -12,6 +12,8 @@
 #include <cmath>
 #include <vector>
 
+#include <omp.h>
+
 #include "rows.h"
 
 struct Layer {                      // one decoder layer's weights, packed for rows.h (filled by engine.models.native)
@@ -107,7 +109,7 @@ static void layers(const Layer *stack, int first, int last, const Shape &s, floa
     const int groups = H / KV;
     std::vector<float> h((size_t)rows * E), qkv((size_t)rows * qkv_width), att((size_t)rows * q_width);
     std::vector<float> out((size_t)rows * E), gate_up((size_t)rows * 2 * I), act((size_t)rows * I);
-    std::vector<float> scores((size_t)rows * H * total);
+    std::vector<float> scores((size_t)threads * total);  // one row of scores per thread (a long prompt's are many)
 #pragma omp parallel num_threads(threads)
     for (int l = first; l < last; l++) {
         const Layer &L = stack[l];
@@ -135,7 +137,7 @@ static void layers(const Layer *stack, int first, int last, const Shape &s, floa
             const W *k = keys[l] + (size_t)kv * capacity * D, *v = values[l] + (size_t)kv * capacity * D;
             const uint8_t *sees = mask ? mask + (size_t)r * total : nullptr;
             const int end = mask ? total : past + r + 1;
-            float *score = scores.data() + (size_t)task * total, top = -INFINITY;
+            float *score = scores.data() + (size_t)omp_get_thread_num() * total, top = -INFINITY;
             float key[512];
             for (int j = 0; j < end; j++) {
                 if (sees && !sees[j]) continue;
