@@ -42,6 +42,10 @@ def test_no_serious_violation_on_the_playground_and_the_lab(browser, live_app, s
         page.fill("#field-prompt [data-testid=textbox]", "")
         page.click("#run")
         page.wait_for_selector("#err-field-prompt")  # the message under the field, tied to its input
+        # Run comes back enabled a moment after the message, its colour fading in: audited mid-fade, its white label
+        # stood on a background still turning violet (seen once the refusal came back fast)
+        page.wait_for_function("() => !document.querySelector('#run').disabled")
+        settle(page)
         found += audit(page, "with the prompt's error showing")
         if size == "phone":
             sidebar(page, True)
