@@ -212,8 +212,9 @@ def peagle_draft(model, ids: torch.Tensor, features: torch.Tensor, gamma: int):
     return [int(_target_ids(model, row.argmax())) for row in logits], logits
 
 
-def dflash_draft(model, ids: torch.Tensor, features: torch.Tensor, gamma: int):
-    """One block [last token, mask x gamma] after the context: gamma drafts from its mask rows."""
+def _dflash_block(model, ids: torch.Tensor, features: torch.Tensor, gamma: int) -> torch.Tensor:
+    """One block [last token, mask x gamma] after the context through the head's own layers: its final normed states
+    (gamma + 1, H)."""
     config = model.config
     context = model.hidden_norm(model.fc(features[None]))  # (1, n, H)
     n = context.shape[1]
@@ -232,7 +233,12 @@ def dflash_draft(model, ids: torch.Tensor, features: torch.Tensor, gamma: int):
             allowed &= positions[None, :] > q_pos[:, None] - _window(model, i)
         h = layer(hidden_states=h, target_hidden=context, attention_mask=_mask(allowed), position_ids=positions[None],
                   position_embeddings=cos_sin)  # fmt: skip
-    logits = model.lm_head(model.norm(h))[0, 1:]  # (gamma, Vd)
+    return model.norm(h)[0]
+
+
+def dflash_draft(model, ids: torch.Tensor, features: torch.Tensor, gamma: int):
+    """One block [last token, mask x gamma] after the context: gamma drafts from its mask rows."""
+    logits = model.lm_head(_dflash_block(model, ids, features, gamma)[1:])  # (gamma, Vd)
     return [int(_target_ids(model, row.argmax())) for row in logits], logits
 
 
@@ -240,24 +246,7 @@ def dflash2_draft(model, ids: torch.Tensor, features: torch.Tensor, gamma: int):
     """DFlash's block [last token, mask x gamma] through DFlash2's own layers (their convolutions included), then the
     selector's greedy walk as vLLM's dflash2 speculator makes it: each position's candidates are its unary top-k, scored
     by CandidateSelector.score_candidates with the token taken before (the last verified one first)."""
-    config = model.config
-    context = model.hidden_norm(model.fc(features[None]))  # (1, n, H)
-    n = context.shape[1]
-    block = torch.tensor([int(ids[-1])] + [config.mask_token_id] * gamma)[None]
-    h = model.embed_tokens(block)
-    positions = torch.arange(n + gamma + 1)
-    cos_sin = model.rotary_emb(context, positions[None])
-    q_pos = positions[n:]
-    causal = not config.sliding_window_non_causal  # vLLM 0.32: one causality, from sliding_window_non_causal
-    for i, layer in enumerate(model.layers):
-        allowed = torch.ones(gamma + 1, n + gamma + 1, dtype=torch.bool)
-        if causal:
-            allowed &= positions[None, :] <= q_pos[:, None]
-        if _window(model, i):
-            allowed &= positions[None, :] > q_pos[:, None] - _window(model, i)
-        h = layer(hidden_states=h, target_hidden=context, attention_mask=_mask(allowed), position_ids=positions[None],
-                  position_embeddings=cos_sin)  # fmt: skip
-    hidden = model.norm(h)[0, 1:]  # (gamma, H)
+    hidden = _dflash_block(model, ids, features, gamma)[1:]  # (gamma, H)
     unary = model.lm_head(hidden)
     selector = model.candidate_selector
     previous, drafts, scores_out = int(ids[-1]), [], []
