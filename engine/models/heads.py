@@ -620,6 +620,12 @@ def write_head(
                               "verifier_accept_k": 1, "accept_tolerance": 0.0}],
         "verifier": {"name_or_path": verifier, "architectures": [verifier_arch]},
     }  # fmt: skip
+    block = {  # what speculators' block layouts (dflash, dspark, dflash2) share
+        "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": _layer_dict(c, "qwen3"),
+        "draft_vocab_size": draft_vocab, "target_hidden_size": c.target_hidden_size or None,
+        "block_size": c.block_size, "mask_token_id": c.mask_token_id,
+        "aux_hidden_state_layer_ids": list(c.layers), "speculators_config": speculators,
+    }  # fmt: skip
     if layout in ("speculators-eagle3", "speculators-peagle"):
         state["embed_tokens.weight"] = head.embed_tokens.weight
         peagle = layout == "speculators-peagle"
@@ -649,12 +655,7 @@ def write_head(
         if any(bool(w) != k for w, k in zip(c.windows or (0,) * c.num_layers, c.causal or (False,) * c.num_layers)):
             raise ValueError("a DSpark config states a layer's block causality by its type: causal layers must be "
                              "the sliding ones")  # fmt: skip
-        config = {
-            "architectures": ["DSparkSpeculator"], "speculators_model_type": "dspark",
-            "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": _layer_dict(c, "qwen3"),
-            "draft_vocab_size": draft_vocab, "target_hidden_size": c.target_hidden_size or None,
-            "block_size": c.block_size, "mask_token_id": c.mask_token_id,
-            "aux_hidden_state_layer_ids": list(c.layers), "speculators_config": speculators,
+        config = {"architectures": ["DSparkSpeculator"], "speculators_model_type": "dspark"} | block | {
             "sliding_window_non_causal": False, "sample_from_anchor": c.sample_from_anchor,
             "markov_rank": c.markov_rank, "markov_head_type": "vanilla", "enable_confidence_head": bool(c.confidence),
             "confidence_head_with_markov": c.confidence == "hidden+markov",
@@ -670,23 +671,13 @@ def write_head(
             "speculators_config": speculators,
         }  # fmt: skip
     elif layout == "speculators-dflash2":
-        config = {
-            "architectures": ["DFlash2Speculator"], "speculators_model_type": "dflash2",
-            "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": _layer_dict(c, "qwen3"),
-            "draft_vocab_size": draft_vocab, "target_hidden_size": c.target_hidden_size or None,
-            "block_size": c.block_size, "mask_token_id": c.mask_token_id,
-            "aux_hidden_state_layer_ids": list(c.layers), "speculators_config": speculators,
+        config = {"architectures": ["DFlash2Speculator"], "speculators_model_type": "dflash2"} | block | {
             "sliding_window_non_causal": not _one_causality(c), "sample_from_anchor": False,
             "conv_kernel_size": c.conv_kernel_size, "conv_group_size": c.conv_group_size,
             "selector_rank": c.selector_rank, "selector_top_k": c.selector_top_k,
         }  # fmt: skip
     else:
-        config = {
-            "architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
-            "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": _layer_dict(c, "qwen3"),
-            "draft_vocab_size": draft_vocab, "target_hidden_size": c.target_hidden_size or None,
-            "block_size": c.block_size, "mask_token_id": c.mask_token_id,
-            "aux_hidden_state_layer_ids": list(c.layers), "speculators_config": speculators,
+        config = {"architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash"} | block | {
             # vLLM runs every layer's block causally iff this is false; speculators' own forward only sliding layers
             "sliding_window_non_causal": not _one_causality(c), "sample_from_anchor": False,
         }  # fmt: skip
