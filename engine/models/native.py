@@ -30,7 +30,6 @@ KERNELS = Path(__file__).with_name("kernels")
 SOURCES = [KERNELS / "rows.cpp", KERNELS / "layers.cpp"]  # one library; both include rows.h
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-strict-aliasing", "-fopenmp", "-shared", "-fPIC",
          "-std=c++17"]  # fmt: skip
-# SPECARENA_BF16_PAIRS=0 builds the kernel without its AVX512_BF16 pair-wise path (rows.h), to set the two side by side
 BUILD_TIMEOUT = 300  # seconds; a 2-core machine under load takes a few
 
 _loaded: dict[str, object] = {}  # "lib": the ctypes library or None, "why": the reason when None
@@ -40,16 +39,12 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
 
 
-def flags() -> list[str]:
-    return FLAGS + (["-DNO_K_PAIRS"] if os.environ.get("SPECARENA_BF16_PAIRS", "1") == "0" else [])
-
-
 def _library_path(cxx: str, cpu: str) -> Path:
     from engine.settings import cache_dir
 
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout.split("\n")[0]
     texts = [path.read_text() for path in sorted(KERNELS.iterdir())]
-    digest = hashlib.sha1("\n".join([*texts, " ".join(flags()), version, cpu]).encode()).hexdigest()
+    digest = hashlib.sha1("\n".join([*texts, " ".join(FLAGS), version, cpu]).encode()).hexdigest()
     return cache_dir() / "kernels" / f"rows-{digest[:12]}.so"
 
 
@@ -64,7 +59,7 @@ def build(cxx: str, cpu: str) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not path.is_file():
             tmp = path.with_name(f"{path.stem}.{os.getpid()}.so")
-            done = subprocess.run([cxx, *flags(), *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True,
+            done = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True,
                                   timeout=BUILD_TIMEOUT)  # fmt: skip
             if done.returncode:
                 tmp.unlink(missing_ok=True)
@@ -91,7 +86,7 @@ def library(cpu: str):
             for kernel in (lib.rows_f32, lib.rows_bf16):
                 kernel.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
                 kernel.restype = None
-            lib.rows_lanes.restype = lib.rows_pairs.restype = ctypes.c_int
+            lib.rows_lanes.restype = ctypes.c_int
             for kernel in (lib.layers_f32, lib.layers_bf16):
                 kernel.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2  # fmt: skip
@@ -134,10 +129,9 @@ def tile_blocks(outputs: int, lanes: int, threads: int) -> int:
 
 
 class Rows:
-    """One weight [out, in] (and bias) packed for the kernel: tiles of `blocks` vectors of outputs, zero-padded to
-    whole tiles. `blocks` is 4 for layers with many outputs and fewer where that would leave a thread idle. Float32 or
-    bfloat16 (DTYPES); the bias is kept in float32, where the sums are made. `weight` is [tiles, in, width], or, for
-    bfloat16 where the kernel sums pairs (`pairs`: a CPU with AVX512_BF16), [tiles, in / 2, width, 2]."""
+    """One weight [out, in] (and bias) packed for the kernel: tiles of `per_tile` outputs, zero-padded to whole
+    tiles. `per_tile` is 4 vectors for layers with many outputs and fewer where that would leave a thread idle.
+    Float32 or bfloat16 (DTYPES); the bias is kept in float32, where the sums are made."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib):
         self.lib = lib
@@ -150,13 +144,7 @@ class Rows:
         tiles = -(-self.out_features // width)
         padded = weight.new_zeros(tiles * width, self.in_features)
         padded[: self.out_features] = weight
-        self.pairs = weight.dtype == torch.bfloat16 and bool(lib.rows_pairs())
-        if self.pairs:  # [tiles, k / 2, width, 2]: a lane's pair of weights along k side by side (rows.h, tile_pairs)
-            if self.in_features % 2:
-                padded = torch.nn.functional.pad(padded, (0, 1))
-            self.weight = padded.reshape(tiles, width, -1, 2).transpose(1, 2).contiguous()
-        else:
-            self.weight = self._paired(padded.reshape(tiles, width, self.in_features)).transpose(1, 2).contiguous()
+        self.weight = self._paired(padded.reshape(tiles, width, self.in_features)).transpose(1, 2).contiguous()
         self.bias = None
         if bias is not None:
             self.bias = bias.new_zeros(tiles * width, dtype=torch.float32)
@@ -166,7 +154,7 @@ class Rows:
         """[tiles, width, in] with a bfloat16 tile's vectors interleaved in pairs, as rows.cpp reads them (one 32-bit
         lane: output m of a vector in its low half, of the next vector in its high half), or back (`undo`); other
         tiles as they are."""
-        if self.weight_dtype != torch.bfloat16 or self.blocks % 2 or self.pairs:
+        if self.weight_dtype != torch.bfloat16 or self.blocks % 2:
             return tiles
         count, width, k = tiles.shape
         lanes = width // self.blocks
@@ -175,11 +163,8 @@ class Rows:
 
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight [out, in] as it was given and the bias in float32 (copies)."""
-        tiles, width = self.weight.shape[0], self.weight.shape[2]
-        if self.pairs:
-            weight = self.weight.transpose(1, 2).reshape(tiles * width, -1)[:, : self.in_features]
-        else:
-            weight = self._paired(self.weight.transpose(1, 2), undo=True).reshape(tiles * width, self.in_features)
+        tiles, _, width = self.weight.shape
+        weight = self._paired(self.weight.transpose(1, 2), undo=True).reshape(tiles * width, self.in_features)
         bias = None if self.bias is None else self.bias[: self.out_features].clone()
         return weight[: self.out_features].contiguous(), bias
 
