@@ -21,6 +21,9 @@ constexpr int V = 8, REGS = 16;  // AVX2
 // rows read together from one tile: NB * R sums, R inputs and a weight vector in registers, at most 6 (a verify pass
 // of 5 draft tokens and its bonus row reads every weight once)
 constexpr int AHEAD = 8192;  // bytes of the weight stream prefetched ahead of the loads (past a tile's end: the next)
+#ifndef PREFETCH_LOCALITY  // the prefetch's locality hint, chosen per CPU vendor by engine.models.native.flags
+#define PREFETCH_LOCALITY 0
+#endif
 template <int NB> constexpr int rows_at_once() { return (REGS - 1) / (NB + 1) < 6 ? (REGS - 1) / (NB + 1) : 6; }
 typedef float vf __attribute__((vector_size(V * sizeof(float))));
 typedef uint16_t vh __attribute__((vector_size(V * sizeof(uint16_t))));
@@ -70,11 +73,13 @@ static inline void tile(const float *x, const W *wt, const float *b, Y *y, int r
 #pragma GCC unroll 16
         for (int r = 0; r < R; r++) xb[r] = vf{} + xs[(size_t)r * k + i];
         const W *wi = wt + (size_t)i * NB * V;
-        // the weight's lines 8 KiB ahead asked for now (non-temporal: read once): on the 2-core AMD EPYC (AVX512,
-        // BF16) the hardware prefetchers alone left a one-row product at 25 GB/s where memory reads 35, with it 29-31
+        // the weight's lines 8 KiB ahead asked for now: on the 2-core AMD EPYC (AVX512, BF16) the hardware
+        // prefetchers alone left a one-row product at 25 GB/s where memory reads 35, non-temporal prefetches (0)
+        // 29-31. On the Intel Xeon (AMX) non-temporal ones held it at 11 GB/s where memory reads 28 (27 with
+        // locality 1 or 3, 22 with none): the hint is the CPU vendor's (native.flags)
 #pragma GCC unroll 16
         for (int line = 0; line < (int)(NB * V * sizeof(W)) / 64; line++)
-            __builtin_prefetch((const char *)wi + AHEAD + line * 64, 0, 0);
+            __builtin_prefetch((const char *)wi + AHEAD + line * 64, 0, PREFETCH_LOCALITY);
         if constexpr (std::is_same_v<W, bf16> && NB % 2 == 0) {
             // bfloat16 tiles of an even number of vectors are packed in pairs: lane m of a 32-bit load holds output m
             // of one vector in its low half and of the next in its high half, so one shift and one mask widen both
