@@ -74,8 +74,8 @@ GROUP_GAIN = 0.02  # forms per weight shape must save this share of a whole pass
 # forward pass where it runs, engine.decoding.lean; 6: padding kept only where a second timing agrees; 7: the lean
 # pass's verify attention reads shared keys and values in place, which makes multi-row passes cheaper; 8: forms per
 # weight shape; 9: numpy's OpenBLAS, the "blas" form; 10: our own kernel, engine.models.native; 11: OpenBLAS only where
-# our kernel is not built, see available)
-FORMS_VERSION = 11
+# our kernel is not built, see available; 12: our kernel timed in the fused pass it runs in, see choose_forms)
+FORMS_VERSION = 12
 
 
 class CpuLinear(torch.nn.Module):
@@ -292,6 +292,31 @@ def wrap_linears(model: torch.nn.Module, forms: tuple[str, ...]) -> list[CpuLine
     return [module for _, _, module in wrapped]
 
 
+def like_target(module: torch.nn.Module, target: torch.nn.Module, keep: tuple[str, ...] = ()) -> list[tuple]:
+    """Give `module`'s linear layers (a draft head's) the forms the target's own layers run each pass size in: its
+    table, timed for this CPU at load; layers named in `keep` stay as they are. Returns the swaps made, (parent,
+    name, the nn.Linear, its CpuLinear) each, for `swap_back`: [] where the target keeps stock layers (another
+    device, SPECARENA_CPU_PACK=0) or nothing was swapped."""
+    lead = next((layer for layer in target.modules() if type(layer) is CpuLinear), None)
+    if lead is None or used(lead.table) == {"stock"}:
+        return []
+    forms, dtype = tuple(dict.fromkeys(("stock", *used(lead.table)))), next(target.parameters()).dtype
+    swaps = []
+    for parent, name, child in _linears(module):
+        if name not in keep and child.weight.dtype == dtype:
+            layer = CpuLinear(child, forms)
+            layer.keep_only(lead.table)
+            swaps.append((parent, name, child, layer))
+    swap_back(swaps, back=False)
+    return swaps
+
+
+def swap_back(swaps: list[tuple], back: bool = True) -> None:
+    """Put like_target's swaps' nn.Linear layers back in place (or, `back=False`, their CpuLinear again)."""
+    for parent, name, linear, wrapped in swaps:
+        setattr(parent, name, linear if back else wrapped)
+
+
 def _cpuinfo_field(field: str) -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -404,9 +429,13 @@ STOCK = {"layers": [], "table": ("stock",), "pad": (), "groups": {}, "linear_for
          "measured": None}  # fmt: skip
 
 
-def choose_forms(model, key: str, cache_file: Path, progress=lambda message: None) -> dict:
+def choose_forms(model, key: str, cache_file: Path, progress=lambda message: None, joined=None) -> dict:
     """Give the model's linear layers the form that is fastest for each pass size: measured here (saying so
-    through `progress`) or recalled, and only the forms used are made. Returns {"layers", "table", "pad",
+    through `progress`) or recalled, and only the forms used are made. `joined` (the lean pass's join) is called once
+    the layers hold every form and before they are timed: our kernel's form is then timed in the pass it runs in,
+    q/k/v and gate/up joined and whole layers fused (engine.decoding.lean). Timed with its layers in torch ops
+    instead, on the Intel Xeon (AMX) our kernel lost 1-3 row passes to MKL's, whose products read as fast, and the
+    fused pass that would have run 1.4-1.6x faster never ran. Returns {"layers", "table", "pad",
     "groups", "linear_forms", "measured"}: the CpuLinear layers ([] where the model keeps its own), the form per pass
     size, the padding table, the weight shapes that run other forms at some sizes ({shape: table}), all of it in
     words, and the timings behind them (None when recalled)."""
@@ -433,7 +462,9 @@ def choose_forms(model, key: str, cache_file: Path, progress=lambda message: Non
         if layers:
             progress(f"timing this CPU's weight layouts at each pass size, once (~{_estimate(model, forms):.0f} s; "
                      "remembered for later loads)")  # fmt: skip
-            table, pad, groups, measured = _measure(model, layers, forms)
+            if joined is not None:
+                joined()
+            table, pad, groups, measured = _measure(model, layers, forms, fused=joined is not None)
             entry = {"table": list(table), "pad": list(pad), "groups": {k: list(v) for k, v in groups.items()}}
             _write(cache_file, dict(list(known.items())[-255:]) | {key: entry})  # the latest 256 choices
     if not layers:
@@ -457,9 +488,11 @@ def _estimate(model, forms: tuple[str, ...]) -> float:
     return max(5.0, round(1.3 * passes * (one[1] + one[PAD_ROWS]) / 2 / 5) * 5)  # +30%: the second looks
 
 
-def _measure(model, layers: list[CpuLinear], forms: tuple[str, ...]):
+def _measure(model, layers: list[CpuLinear], forms: tuple[str, ...], fused: bool = False):
     """Every pass size timed in every form (time_passes, the forms taking turns), then each weight shape alone
-    (`_time_shapes`): the table, the padding, the shapes' own tables and the timings."""
+    (`_time_shapes`): the table, the padding, the shapes' own tables and the timings. `fused`: where the table runs
+    our kernel, the pass runs its layers as one call (engine.decoding.lean), which a shape in another form would
+    split; no shape leaves it there."""
     from engine.decoding.runtime import time_passes
 
     sizes = tuple(range(1, PAD_ROWS + 1))
@@ -481,6 +514,9 @@ def _measure(model, layers: list[CpuLinear], forms: tuple[str, ...]):
     with torch.inference_mode():
         shape_times = _time_shapes(by_shape, forms, unpadded)
     groups = _choose_shapes(shape_times, table)
+    if fused:
+        groups = {shape: mine for shape, own in groups.items()
+                  if (mine := tuple("own" if size == "own" else form for size, form in zip(table, own))) != table}
     if groups:  # whole passes decide: the shapes' own forms against the table's, in turns
         differ = tuple(n for n in unpadded if any(own[n] != table[n] for own in groups.values()))
         chosen = groups

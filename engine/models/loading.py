@@ -411,8 +411,9 @@ def _load(
     lean = pack and not compile and attach_lean(model)  # on CPU only: attach_lean checks
     forms = STOCK
     if device.type == "cpu" and pack:
+        joined = (lambda: model.lean.join(join, Stack)) if lean else None  # our kernel timed as it will run: fused
         forms = choose_forms(model, f"{shape_key(model)}|{dtype}", cache_dir() / "cpu-forms.json",
-                             lambda message: progress(f"{source.spec}: {message}"))  # fmt: skip
+                             lambda message: progress(f"{source.spec}: {message}"), joined)  # fmt: skip
     reformed = sum(set(layer.table) != {"stock"} for layer in forms["layers"])
     linear_forms = forms["linear_forms"] if device.type == "cpu" else ""
     if lean and forms["layers"]:
