@@ -646,6 +646,13 @@ def roofline_table(data: dict) -> str:
         lines.append(f"  {name:32}{one:>8.1f} ({one / passes['bound_tok_s']:.0%} of {passes['bound_tok_s']:.1f}, "
                      f"{one / top['bound_tok_s']:.0%})  "
                      + "  ".join(f"{n}: {passes['cost'][str(n)]:.2f}" for n in rows if n > 1))  # fmt: skip
+    heads = data.get("heads") or {}
+    if heads:
+        lines.append("draft head passes (random weights in the target's shapes), ms (% of the bound at the read around "
+                     "it: the weights each reads)")  # fmt: skip
+    for name, head in heads.items():
+        lines.append(f"  {name:32}{head['ms']:>8.2f} ({head['of_bound']:.0%} of {head['bound_ms']:.2f} ms, "
+                     f"{head['bytes'] / 1e6:.1f} MB at {head['read_gbs']:.1f} GB/s)")  # fmt: skip
     return "\n".join(lines)
 
 

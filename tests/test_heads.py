@@ -549,3 +549,38 @@ def test_describe_counts_a_dflash_heads_own_weights_once():
     own = sum(p.numel() for name, p in head.named_parameters() if not name.startswith(("embed_tokens.", "lm_head.")))
     assert own_parameters(head) == own > 0 and f"{own / 1e6:.1f}M parameters" in describe(head)
     assert "non-causal block" in describe(head)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_served_head_runs_its_layers_in_the_target_kernels_where_they_are_faster_with_the_same_drafts(llama_pair,
+                                                                                                      dtype):
+    """A head's linear layers can take the target's forms per pass size, our kernel where the target's run it (here
+    1-5 rows: chain steps and blocks), fc kept, and go back; either way it proposes the same drafts. Serving
+    (engine.models.heads.serve_forms) times both and keeps the faster: all of the layers swapped, or none."""
+    from engine.models import cpu
+    from engine.models.heads import serve_forms
+    from tests.test_engine import own_kernel
+
+    own_kernel()
+    model = tiny_llama(layers=DEPTH).to(dtype)
+    table = ("stock",) + ("own",) * 5 + ("stock",)
+    for layer in cpu.wrap_linears(model, ("stock", "own")):
+        layer.keep_only(table)
+    ids = prompt_ids(llama_pair[2], PROMPTS[0])
+    for kind in ("eagle3", "dflash"):
+        head = random_head(model, kind, draft_vocab=200 if kind == "eagle3" else 0, block_size=5, seed=1)
+        stock = _drafts(model, head, ids)
+        swaps = cpu.like_target(head, model, keep=("fc",))
+        assert len(swaps) == 7 + (kind == "eagle3")  # q, k, v, o, gate, up, down; EAGLE-3's own LM head
+        assert type(head.fc) is torch.nn.Linear and head.layers[0].mlp.down_proj.table == table
+        assert head.layers[0].self_attn.q_proj.weights.keys() == {"stock", "own"}
+        assert _drafts(model, head, ids) == stock, kind
+        cpu.swap_back(swaps)
+        assert type(head.layers[0].mlp.down_proj) is torch.nn.Linear and _drafts(model, head, ids) == stock
+        swapped = serve_forms(head, model, repeats=2)
+        kinds = {type(module) for module in head.layers.modules() if isinstance(module, (torch.nn.Linear,
+                                                                                           cpu.CpuLinear))}  # fmt: skip
+        assert kinds == ({cpu.CpuLinear} if swapped else {torch.nn.Linear}) and _drafts(model, head, ids) == stock
+    plain = tiny_llama(layers=DEPTH)  # a target in stock layers: its heads keep theirs
+    assert cpu.like_target(random_head(plain, "eagle3"), plain) == []
+    assert serve_forms(random_head(plain, "eagle3"), plain) is False

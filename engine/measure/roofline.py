@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.decoding.runtime import Clock
 from engine.models.bandwidth import bound, kernel_rates, limit, measure_bandwidth
 
 
@@ -45,11 +46,72 @@ def roofline(target: str, dtype: str = "float32", device: str = "auto", rows=(1,
                         "bound_tok_s": round(bound(ours.token_bytes, read), 1)}  # fmt: skip
     if stack is not None:
         ours.model.lean.stack = stack
-    every = list(reads.values()) + [p["read_gbs"] for p in passes.values()]
+    heads = head_passes(ours)
+    every = list(reads.values()) + [p["read_gbs"] for p in passes.values()] + [h["read_gbs"] for h in heads.values()]
     low, now = min(every) * 1e9, max(every) * 1e9
     return {"target": target, "dtype": str(ours.dtype).replace("torch.", ""), "device_name": device_name(ours.device),
             "threads": torch.get_num_threads(), "linear_forms": ours.linear_forms, "rows": list(rows),
             "limit": limit(ours.token_bytes, ours.device)
             | {"now_gbs": round(now / 1e9, 1), "now_bound_tok_s": round(bound(ours.token_bytes, now), 1),
                "low_gbs": round(low / 1e9, 1)},
-            "kernels": kernels, "reads": reads, "passes": passes}  # fmt: skip
+            "kernels": kernels, "reads": reads, "passes": passes, "heads": heads}  # fmt: skip
+
+
+DRAFT_VOCAB = 8192  # the forge's EAGLE-3 heads draft over the target's 8,192 likeliest tokens (docs/forge.md)
+BLOCK = 4  # a DFlash block as the forge serves it on a CPU: the last token and 3 masks, drafting γ 3
+
+
+def head_passes(loaded, repeats: int = 30) -> dict:
+    """A draft head's passes in the target's shapes (random weights: the cost is the same) against the bound of the
+    weights each reads, in the kernels the target's layers run (engine.models.cpu.like_target) and in torch's stock
+    layers, the two taking turns (serving keeps the faster: engine.models.heads.serve_forms): an EAGLE-3 chain step
+    (its layer over one row, then its LM head over the draft vocabulary) and a DFlash block pass (the context row
+    through fc, its layer over the block, the target's LM head over the γ drafting rows). {name: {"ms", "bytes",
+    "read_gbs", "bound_ms", "of_bound"}}. A head's weights are small: where the CPU's caches hold most of them, a step
+    beats the bound."""
+    from engine.models.bandwidth import measure_bandwidth
+    from engine.models.cpu import like_target, swap_back
+    from engine.models.heads import draft_pass, random_head
+
+    target, device = loaded.model, loaded.device
+    clock = Clock(device)
+    out = {}
+    for kind in ("eagle3", "dflash"):
+        vocab = min(DRAFT_VOCAB, target.config.get_text_config().vocab_size) if kind == "eagle3" else 0
+        head = random_head(target, kind, draft_vocab=vocab, block_size=BLOCK)
+        swaps = like_target(head, target, keep=("fc",))
+        step = draft_pass(head, block=BLOCK)
+        what = "EAGLE-3 chain step" if kind == "eagle3" else f"DFlash block of {BLOCK}"
+        variants = {f"{what}, stock layers": True} | ({f"{what}, our kernels": False} if swaps else {})
+        before, best = measure_bandwidth(device), dict.fromkeys(variants, float("inf"))
+        with torch.inference_mode():
+            for _ in range(repeats + 2):
+                for name, back in variants.items():
+                    swap_back(swaps, back=back)
+                    start = clock.now()
+                    step()
+                    best[name] = min(best[name], clock.now() - start)
+        read = (before + measure_bandwidth(device)) / 2
+        for name, back in variants.items():
+            swap_back(swaps, back=back)
+            weights, took = _read_bytes(head), best[name]
+            out[name] = {"ms": took * 1000, "bytes": weights, "read_gbs": round(read / 1e9, 1),
+                         "bound_ms": weights / read * 1000, "of_bound": weights / read / took}  # fmt: skip
+    return out
+
+
+def _read_bytes(head) -> int:
+    """The weight bytes a step reads: the layers and norms, the LM head the head drafts through, and fc where the
+    pass fuses features (a DFlash block; an EAGLE-3 chain step feeds back its own state)."""
+    size = next(head.parameters()).element_size()
+    seen, total = set(), 0
+    for name, module in head.named_modules():
+        if id(module) in seen or name.startswith("embed_tokens") or (name == "fc" and head.config.eagle):
+            continue
+        if name == "lm_head" or name.startswith("layers.") or name in ("fc", "norm", "hidden_norm"):
+            seen.add(id(module))
+            if hasattr(module, "plain_weight"):  # engine.models.cpu.CpuLinear: its weights are no parameters
+                total += module.in_features * module.out_features * size
+            else:
+                total += sum(t.numel() * t.element_size() for t in module.parameters(recurse=False))
+    return total
