@@ -203,6 +203,12 @@ def test_a_head_that_llama_cpp_cannot_run_is_refused_before_any_server_starts(he
         head_gguf(Settings(**(s.to_dict() | {"draft": str(folder)})))
     with pytest.raises(UserError, match="at most 3 tokens"):
         head_gguf(Settings(**(settings("llama.cpp", "dflash", heads).to_dict() | {"gamma": 5})))
+    reduced = tmp_path / "reduced"  # a DFlash head with a draft vocabulary, as the forge writes them
+    shutil.copytree(heads["dflash"], reduced)
+    config = json.loads((reduced / "config.json").read_text())
+    (reduced / "config.json").write_text(json.dumps(config | {"draft_vocab_size": 4096}))
+    with pytest.raises(UserError, match="drafts over 4,096 of its 49,152 tokens"):
+        head_gguf(Settings(**(settings("llama.cpp", "dflash", heads).to_dict() | {"draft": str(reduced)})))
 
 
 def test_the_llama_cpp_pair_doctor_checks_a_head_against_the_target_its_converter_reads(heads, capsys):

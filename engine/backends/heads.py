@@ -143,6 +143,10 @@ def llama_config(raw: dict, c: HeadConfig) -> dict:
                         field="draft")  # fmt: skip
     if c.kind == "dspark":  # the converter reads the speculators layout itself; the causality is stated, as ours
         return raw | {"is_causal": causal.pop()}
+    if c.draft_vocab_size and c.draft_vocab_size != c.vocab_size:  # z-lab's layout has no d2t: its converter fails
+        raise UserError(f"llama.cpp's {HEAD_NAMES[c.kind]} drafts over the target's whole vocabulary, and this head "
+                        f"drafts over {c.draft_vocab_size:,} of its {c.vocab_size:,} tokens (d2t), as the forge's do: "
+                        "run it on the transformers or vLLM backend.", field="draft")  # fmt: skip
     dflash = {"mask_token_id": c.mask_token_id, "target_layer_ids": [i - 1 for i in c.layers],
               "block_size": c.block_size, "causal": causal.pop()}  # fmt: skip
     if c.kind == "dflash2":  # z-lab's flat DFlash2 config: the convolutions and the selector in dflash_config
