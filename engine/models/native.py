@@ -45,12 +45,19 @@ def compiler() -> str | None:
 
 def flags() -> list[str]:
     """The compiler's flags: FLAGS and the prefetch locality for this CPU's vendor (LOCALITY)."""
-    from engine.models.cpu import _cpuinfo_field
-
     locality = os.environ.get("SPECARENA_PREFETCH", "")
     if locality not in ("0", "1", "2", "3"):
-        locality = LOCALITY.get(_cpuinfo_field("vendor_id"), 1)
+        locality = LOCALITY.get(_vendor(), 1)
     return [*FLAGS, f"-DPREFETCH_LOCALITY={locality}"]
+
+
+def _vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("AuthenticAMD", "GenuineIntel"), "" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
 
 
 def _library_path(cxx: str, cpu: str) -> Path:
