@@ -499,10 +499,10 @@ def test_cpu_key_tells_apart_machines_of_one_name(monkeypatch):
     """Two machines here were both "AMD EPYC": one AVX2, one AVX512. What is measured or compiled for one
     (linear forms, a -march=native llama-server) must not be reused on the other."""
     from engine.backends import llamacpp
-    from engine.models import cpu
+    from engine.models import cpu, cpuinfo
 
     info = {"model name": "AMD EPYC", "flags": "fpu sse2 avx2 fma"}
-    monkeypatch.setattr(cpu, "_cpuinfo_field", lambda field: info[field])
+    monkeypatch.setattr(cpuinfo, "field", lambda name: info[name])
     avx2_key, avx2_binary, avx2_name = cpu.cpu_id(), llamacpp.cached_binary(), cpu.cpu_name()
     info["flags"] += " avx512f avx512_bf16"
     assert cpu.cpu_id() != avx2_key and llamacpp.cached_binary() != avx2_binary

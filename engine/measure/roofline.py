@@ -69,9 +69,8 @@ def head_passes(loaded, repeats: int = 30) -> dict:
     through fc, its layer over the block, the target's LM head over the γ drafting rows). {name: {"ms", "bytes",
     "read_gbs", "bound_ms", "of_bound"}}. A head's weights are small: where the CPU's caches hold most of them, a step
     beats the bound."""
-    from engine.models.bandwidth import measure_bandwidth
-    from engine.models.cpu import like_target, swap_back
-    from engine.models.heads import draft_pass, random_head
+    from engine.models.cpu import like_target
+    from engine.models.heads import draft_pass, random_head, time_forms
 
     target, device = loaded.model, loaded.device
     clock = Clock(device)
@@ -79,22 +78,17 @@ def head_passes(loaded, repeats: int = 30) -> dict:
     for kind in ("eagle3", "dflash"):
         vocab = min(DRAFT_VOCAB, target.config.get_text_config().vocab_size) if kind == "eagle3" else 0
         head = random_head(target, kind, draft_vocab=vocab, block_size=BLOCK)
+        weights = _read_bytes(head)
         swaps = like_target(head, target, keep=("fc",))
         step = draft_pass(head, block=BLOCK)
         what = "EAGLE-3 chain step" if kind == "eagle3" else f"DFlash block of {BLOCK}"
-        variants = {f"{what}, stock layers": True} | ({f"{what}, our kernels": False} if swaps else {})
-        before, best = measure_bandwidth(device), dict.fromkeys(variants, float("inf"))
-        with torch.inference_mode():
-            for _ in range(repeats + 2):
-                for name, back in variants.items():
-                    swap_back(swaps, back=back)
-                    start = clock.now()
-                    step()
-                    best[name] = min(best[name], clock.now() - start)
+        before = measure_bandwidth(device)
+        best = time_forms(swaps, step, clock, repeats)
+        if not swaps:  # nothing to run in our kernels: both turns ran stock layers
+            del best[True]
         read = (before + measure_bandwidth(device)) / 2
-        for name, back in variants.items():
-            swap_back(swaps, back=back)
-            weights, took = _read_bytes(head), best[name]
+        for ours, took in sorted(best.items()):
+            name = f"{what}, {'our kernels' if ours else 'stock layers'}"
             out[name] = {"ms": took * 1000, "bytes": weights, "read_gbs": round(read / 1e9, 1),
                          "bound_ms": weights / read * 1000, "of_bound": weights / read / took}  # fmt: skip
     return out

@@ -2,6 +2,7 @@
 
     loading        specs (Hub id, folder, bundled, random shape) to loaded models, kept in an LRU cache
     random_shapes  random weights in the shapes of real models, for measuring at real sizes offline
+    cpuinfo        /proc/cpuinfo's fields (model name, flags, vendor), read in one place
     cpu            the CPU's identity, and the linear layers' forms (stock, oneDNN-packed, OpenBLAS, ours, padding)
     native         our own few-row linear kernel (kernels/rows.cpp), compiled for this CPU at first use
     bandwidth      the machine's read bandwidth, the weights' bytes per token, the bound tok/s; kernels' GB/s

@@ -63,6 +63,8 @@ import numpy as np
 import psutil
 import torch
 
+from engine.models import cpuinfo
+
 FORMS = ("stock", "transposed", "packed", "blas", "own")  # stock first: what a form must beat, and what HF runs
 COPIES = ("own", "transposed", "packed")  # the forms that hold a copy of the weight (blas reads the stock one in
 # place), in the order they are given memory
@@ -317,19 +319,9 @@ def swap_back(swaps: list[tuple], back: bool = True) -> None:
         setattr(parent, name, linear if back else wrapped)
 
 
-def _cpuinfo_field(field: str) -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(field):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 def cpu_flags() -> set[str]:
     """The CPU's feature flags as /proc/cpuinfo lists them (avx2, avx512f, amx_tile, ...)."""
-    return set(_cpuinfo_field("flags").split())
+    return set(cpuinfo.field("flags").split())
 
 
 def device_name(device) -> str:
@@ -342,7 +334,7 @@ def device_name(device) -> str:
 def cpu_name() -> str:
     """The CPU as people name it, with its widest vector instructions: "AMD EPYC" alone has named both an
     AVX2 and an AVX512 machine here, and they pick different linear forms."""
-    name = _cpuinfo_field("model name") or platform.processor() or platform.machine()
+    name = cpuinfo.field("model name") or platform.processor() or platform.machine()
     flags = cpu_flags()
     isa = [label for flag, label in (("avx512f", "AVX512"), ("avx512_bf16", "BF16"), ("amx_tile", "AMX"))
            if flag in flags] or (["AVX2"] if "avx2" in flags else [])  # fmt: skip
@@ -352,7 +344,7 @@ def cpu_name() -> str:
 def cpu_id() -> str:
     """A key for what is measured or compiled for this CPU: its name and a digest of every feature flag
     (a binary built with -march=native on one may not even start on another of the same name)."""
-    digest = hashlib.sha1(_cpuinfo_field("flags").encode()).hexdigest()[:8]
+    digest = hashlib.sha1(cpuinfo.field("flags").encode()).hexdigest()[:8]
     return f"{cpu_name()} {digest}"
 
 

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from engine.models import cpuinfo
+
 KERNELS = Path(__file__).with_name("kernels")
 SOURCES = [KERNELS / "rows.cpp", KERNELS / "layers.cpp"]  # one library; both include rows.h
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-strict-aliasing", "-fopenmp", "-shared", "-fPIC",
@@ -47,17 +49,8 @@ def flags() -> list[str]:
     """The compiler's flags: FLAGS and the prefetch locality for this CPU's vendor (LOCALITY)."""
     locality = os.environ.get("SPECARENA_PREFETCH", "")
     if locality not in ("0", "1", "2", "3"):
-        locality = LOCALITY.get(_vendor(), 1)
+        locality = LOCALITY.get(cpuinfo.field("vendor_id"), 1)
     return [*FLAGS, f"-DPREFETCH_LOCALITY={locality}"]
-
-
-def _vendor() -> str:
-    """/proc/cpuinfo's vendor_id ("AuthenticAMD", "GenuineIntel"), "" where there is none."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("vendor_id")), "")
-    except OSError:
-        return ""
 
 
 def _library_path(cxx: str, cpu: str) -> Path:
