@@ -354,6 +354,39 @@ def test_our_kernel_rounds_a_verify_pass_exactly_like_one_token_passes(shape, dt
                 assert ((together.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all(), rows
 
 
+@pytest.mark.parametrize("pairs", ["0", "1"])
+def test_both_builds_of_the_bfloat16_kernel_round_verify_passes_like_one_token_passes(pairs, monkeypatch):
+    """Bfloat16 weights are widened to float32 lane by lane, or, where the CPU has AVX512_BF16 and native.flags
+    asks for it (AMD), summed in pairs by vdpbf16ps from weights packed in pairs along k. Whichever build runs here,
+    the other is tested too: k rows give the bits of k one-token passes, odd k and partial tiles included, within a
+    bfloat16 rounding of the float32 product, and a packed weight unpacks to itself."""
+    from engine.models import native
+    from engine.models.cpu import cpu_id
+
+    own_kernel()
+    monkeypatch.setenv("SPECARENA_BF16_PAIRS", pairs)
+    monkeypatch.setattr(native, "_loaded", {})  # build (or recall) this variant; the process's own stays as it was
+    lib = native.library(cpu_id())
+    assert lib is not None, native.status()
+    has = "avx512_bf16" in native.cpuinfo.field("flags").split()
+    assert lib.rows_pairs() == (pairs == "1" and has)
+    torch.manual_seed(0)
+    for out_features, in_features in ((80, 48), (1000, 37), (576, 1536)):
+        weight = torch.randn(out_features, in_features).bfloat16()
+        bias = torch.randn(out_features)
+        rows = native.Rows(weight, bias, lib)
+        assert rows.pairs == bool(lib.rows_pairs())
+        unpacked, kept_bias = rows.unpacked()
+        assert torch.equal(unpacked, weight) and torch.equal(kept_bias, bias)
+        for count in (2, 5, 6, 9):
+            x = torch.randn(count, in_features).bfloat16()
+            together = rows(x, count)
+            alone = torch.cat([rows(x[i : i + 1], 1) for i in range(count)])
+            assert torch.equal(together, alone), (in_features, count)
+            exact = x.float() @ weight.float().T + bias
+            assert ((together.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all(), (in_features, count)
+
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_layers_joined_in_one_call_of_our_kernel_give_each_layers_own_bits(bias, dtype):

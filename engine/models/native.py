@@ -36,6 +36,11 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-strict-aliasing", "
 # one row: non-temporal on the AMD EPYC (29-31 GB/s where memory read 35; 25 with no prefetch), locality 1 on the
 # Intel Xeon (27 GB/s where memory read 28; 11 non-temporal, 22 with no prefetch). SPECARENA_PREFETCH=0..3 sets it.
 LOCALITY = {"AuthenticAMD": 0}  # any other vendor: 1
+# where bfloat16 weights are summed in pairs by AVX512_BF16's vdpbf16ps (kernels/rows.h, tile_pairs), per CPU vendor:
+# on the AMD EPYC (AVX512, BF16) a fused verify pass of 5 rows of the bundled model took 9.8 ms so against 10.6
+# widening each weight to float32 (6 rows 10.2 / 11.9), one row within 2%. On the Intel Xeon (AMX) an earlier build
+# (its inputs packed in scalar code at every call) bought nothing. SPECARENA_BF16_PAIRS=0 or 1 sets it.
+BF16_PAIRS = {"AuthenticAMD"}
 BUILD_TIMEOUT = 300  # seconds; a 2-core machine under load takes a few
 
 _loaded: dict[str, object] = {}  # "lib": the ctypes library or None, "why": the reason when None
@@ -46,11 +51,16 @@ def compiler() -> str | None:
 
 
 def flags() -> list[str]:
-    """The compiler's flags: FLAGS and the prefetch locality for this CPU's vendor (LOCALITY)."""
+    """The compiler's flags: FLAGS, the prefetch locality for this CPU's vendor (LOCALITY) and whether its bfloat16
+    products sum pairs (BF16_PAIRS; only where the CPU has AVX512_BF16)."""
+    vendor = cpuinfo.field("vendor_id")
     locality = os.environ.get("SPECARENA_PREFETCH", "")
     if locality not in ("0", "1", "2", "3"):
-        locality = LOCALITY.get(cpuinfo.field("vendor_id"), 1)
-    return [*FLAGS, f"-DPREFETCH_LOCALITY={locality}"]
+        locality = LOCALITY.get(vendor, 1)
+    pairs = os.environ.get("SPECARENA_BF16_PAIRS", "")
+    if pairs not in ("0", "1"):
+        pairs = "1" if vendor in BF16_PAIRS else "0"
+    return [*FLAGS, f"-DPREFETCH_LOCALITY={locality}", *(["-DNO_K_PAIRS"] if pairs == "0" else [])]
 
 
 def _library_path(cxx: str, cpu: str) -> Path:
@@ -100,7 +110,7 @@ def library(cpu: str):
             for kernel in (lib.rows_f32, lib.rows_bf16):
                 kernel.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
                 kernel.restype = None
-            lib.rows_lanes.restype = ctypes.c_int
+            lib.rows_lanes.restype = lib.rows_pairs.restype = ctypes.c_int
             for kernel in (lib.layers_f32, lib.layers_bf16):
                 kernel.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2  # fmt: skip
@@ -143,9 +153,10 @@ def tile_blocks(outputs: int, lanes: int, threads: int) -> int:
 
 
 class Rows:
-    """One weight [out, in] (and bias) packed for the kernel: tiles of `per_tile` outputs, zero-padded to whole
-    tiles. `per_tile` is 4 vectors for layers with many outputs and fewer where that would leave a thread idle.
-    Float32 or bfloat16 (DTYPES); the bias is kept in float32, where the sums are made."""
+    """One weight [out, in] (and bias) packed for the kernel: tiles of `blocks` vectors of outputs, zero-padded to
+    whole tiles. `blocks` is 4 for layers with many outputs and fewer where that would leave a thread idle. Float32 or
+    bfloat16 (DTYPES); the bias is kept in float32, where the sums are made. `weight` is [tiles, in, width], or, for
+    bfloat16 where the kernel sums pairs (`pairs`: native.flags), [tiles, in / 2, width, 2]."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib):
         self.lib = lib
@@ -158,7 +169,13 @@ class Rows:
         tiles = -(-self.out_features // width)
         padded = weight.new_zeros(tiles * width, self.in_features)
         padded[: self.out_features] = weight
-        self.weight = self._paired(padded.reshape(tiles, width, self.in_features)).transpose(1, 2).contiguous()
+        self.pairs = weight.dtype == torch.bfloat16 and bool(lib.rows_pairs())
+        if self.pairs:  # [tiles, k / 2, width, 2]: a lane's pair of weights along k side by side (rows.h, tile_pairs)
+            if self.in_features % 2:
+                padded = torch.nn.functional.pad(padded, (0, 1))
+            self.weight = padded.reshape(tiles, width, -1, 2).transpose(1, 2).contiguous()
+        else:
+            self.weight = self._paired(padded.reshape(tiles, width, self.in_features)).transpose(1, 2).contiguous()
         self.bias = None
         if bias is not None:
             self.bias = bias.new_zeros(tiles * width, dtype=torch.float32)
@@ -168,7 +185,7 @@ class Rows:
         """[tiles, width, in] with a bfloat16 tile's vectors interleaved in pairs, as rows.cpp reads them (one 32-bit
         lane: output m of a vector in its low half, of the next vector in its high half), or back (`undo`); other
         tiles as they are."""
-        if self.weight_dtype != torch.bfloat16 or self.blocks % 2:
+        if self.weight_dtype != torch.bfloat16 or self.blocks % 2 or self.pairs:
             return tiles
         count, width, k = tiles.shape
         lanes = width // self.blocks
@@ -177,8 +194,11 @@ class Rows:
 
     def unpacked(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight [out, in] as it was given and the bias in float32 (copies)."""
-        tiles, _, width = self.weight.shape
-        weight = self._paired(self.weight.transpose(1, 2), undo=True).reshape(tiles * width, self.in_features)
+        tiles, width = self.weight.shape[0], self.weight.shape[2]
+        if self.pairs:
+            weight = self.weight.transpose(1, 2).reshape(tiles * width, -1)[:, : self.in_features]
+        else:
+            weight = self._paired(self.weight.transpose(1, 2), undo=True).reshape(tiles * width, self.in_features)
         bias = None if self.bias is None else self.bias[: self.out_features].clone()
         return weight[: self.out_features].contiguous(), bias
 

@@ -5,6 +5,12 @@
 
 extern "C" int rows_lanes() { return V; }
 
+#if K_PAIRS
+extern "C" int rows_pairs() { return 1; }  // bfloat16 weights packed in pairs along k (rows.h, tile_pairs)
+#else
+extern "C" int rows_pairs() { return 0; }
+#endif
+
 // w packed by the caller as [tiles][k][nb * V] (outputs padded with zeros to whole tiles), b (float32) padded the same
 extern "C" void rows_f32(const float *x, const float *w, const float *b, float *y, int rows, int k, int n, int nb,
                          int threads) {
