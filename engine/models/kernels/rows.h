@@ -7,8 +7,10 @@
 // float32's upper half), the sums run in float32 as oneDNN's do, and each output is rounded to bfloat16 once, to
 // nearest even. Half the bytes to read, so twice the tokens/s at the same bandwidth.
 #pragma once
-#if defined(__AVX512BF16__) && !defined(NO_K_PAIRS)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && !defined(NO_K_PAIRS)
 #define K_PAIRS 1
 #endif
 #include <cstddef>
@@ -34,6 +36,20 @@ typedef uint16_t vh __attribute__((vector_size(V * sizeof(uint16_t))));
 typedef uint32_t vu __attribute__((vector_size(V * sizeof(uint32_t))));
 struct bf16 { uint16_t bits; };
 
+// acc + w * x, one rounding, in every instantiation of the kernel: left to -ffp-contract, GCC fused it for some row
+// counts and not for others when built for AVX2 (16 vector registers), so a verify pass's rows did not round like
+// one-token passes there (tests/test_engine.py, built with -mno-avx512f on an AVX512 machine)
+static inline vf fused(vf w, vf x, vf acc) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_fmadd_ps((__m512)w, (__m512)x, (__m512)acc);
+#elif defined(__FMA__)
+    return (vf)_mm256_fmadd_ps((__m256)w, (__m256)x, (__m256)acc);
+#else
+    vf out;
+    for (int l = 0; l < V; l++) out[l] = __builtin_fmaf(w[l], x[l], acc[l]);
+    return out;
+#endif
+}
 static inline vf load(const float *p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 static inline vf load(const bf16 *p) {
     vh h;
@@ -153,8 +169,8 @@ static inline void tile(const float *x, const W *wt, const float *b, Y *y, int r
                 asm("" : "+v"(w0), "+v"(w1));
 #pragma GCC unroll 16
                 for (int r = 0; r < R; r++) {
-                    acc[j][r] += w0 * xb[r];
-                    acc[j + 1][r] += w1 * xb[r];
+                    acc[j][r] = fused(w0, xb[r], acc[j][r]);
+                    acc[j + 1][r] = fused(w1, xb[r], acc[j + 1][r]);
                 }
             }
         } else {
@@ -163,7 +179,7 @@ static inline void tile(const float *x, const W *wt, const float *b, Y *y, int r
                 vf wv = load(wi + j * V);
                 asm("" : "+v"(wv));  // held in a register: folded into each FMA, it was loaded R times (load-port bound)
 #pragma GCC unroll 16
-                for (int r = 0; r < R; r++) acc[j][r] += wv * xb[r];
+                for (int r = 0; r < R; r++) acc[j][r] = fused(wv, xb[r], acc[j][r]);
             }
         }
     }
