@@ -389,10 +389,9 @@ def test_both_builds_of_the_bfloat16_kernel_round_verify_passes_like_one_token_p
             assert ((together.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all(), (in_features, count)
 
 
-def test_the_kernel_built_for_avx2_rounds_verify_passes_like_one_token_passes(tmp_path, monkeypatch):
-    """The kernel as a CPU with AVX2 and no AVX512 builds it (8 lanes, 16 vector registers), built here with
-    -mno-avx512f: k rows give the bits of k one-token passes, in float32 and bfloat16. Left to -ffp-contract, GCC fused
-    the multiply-add for some row counts and not others in this build, so every verify row differed there."""
+def avx2_build(tmp_path, monkeypatch):
+    """Our kernel as a CPU with AVX2 and no AVX512 builds it (8 lanes, 16 vector registers): built here with
+    -mno-avx512f, into a cache of the test's own, and the library this process uses for the rest of the test."""
     from engine.models import native
     from engine.models.cpu import cpu_id
 
@@ -407,6 +406,16 @@ def test_the_kernel_built_for_avx2_rounds_verify_passes_like_one_token_passes(tm
     monkeypatch.setattr(native, "_loaded", {})
     lib = native.library(cpu_id())
     assert lib is not None and lib.rows_lanes() == 8, native.status()
+    return lib
+
+
+def test_the_kernel_built_for_avx2_rounds_verify_passes_like_one_token_passes(tmp_path, monkeypatch):
+    """The kernel as a CPU with AVX2 and no AVX512 builds it (8 lanes, 16 vector registers), built here with
+    -mno-avx512f: k rows give the bits of k one-token passes, in float32 and bfloat16. Left to -ffp-contract, GCC fused
+    the multiply-add for some row counts and not others in this build, so every verify row differed there."""
+    from engine.models import native
+
+    lib = avx2_build(tmp_path, monkeypatch)
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         for out_features, in_features in ((80, 48), (5, 3), (200, 576)):

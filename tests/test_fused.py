@@ -11,7 +11,7 @@ import torch
 from engine.decoding.drafters import DraftModel, PromptLookup
 from engine.decoding.runtime import forward, new_cache
 from tests.conftest import tiny_llama
-from tests.test_engine import PROMPTS, hf_generate, own_kernel, prompt_ids, run_baseline, run_spec
+from tests.test_engine import PROMPTS, avx2_build, hf_generate, own_kernel, prompt_ids, run_baseline, run_spec
 from tests.test_lean import PASSES, lean_copy, tiny_qwen2
 from tests.test_tree import PARENTS, TOKENS
 
@@ -68,6 +68,13 @@ def test_every_row_of_a_fused_pass_rounds_like_one_token_passes(build, dtype):
                 at = PARENTS[at]
             branch = one_by_one(model, context, [5] + [TOKENS[i] for i in path])
             assert torch.equal(tree[node + 1], branch[-1]), node
+
+
+@DTYPES
+def test_the_fused_pass_built_for_avx2_rounds_like_one_token_passes(dtype, tmp_path, monkeypatch):
+    """The same on the kernel as an AVX2 CPU (no AVX512) builds it, built here with -mno-avx512f."""
+    avx2_build(tmp_path, monkeypatch)
+    test_every_row_of_a_fused_pass_rounds_like_one_token_passes(tiny_llama, dtype)
 
 
 @BUILDS
