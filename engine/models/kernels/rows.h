@@ -79,6 +79,32 @@ static inline void put(float *p, float v) { *p = v; }
 static inline void put(bf16 *p, float v) { p->bits = bf16_bits(v); }
 static inline void put(bf16f *p, float v) { p->value = round_bf16(v); }
 
+// V values at once, each exactly as the scalar functions above do it (the bits do not depend on the path taken)
+static inline void store(float *p, vf v) { std::memcpy(p, &v, sizeof v); }
+static inline vu bf16_bits_lanes(vf v) {  // bf16_bits of each lane, in the upper half of a 32-bit lane
+    vu u;
+    std::memcpy(&u, &v, sizeof u);
+    const vu quiet = (u | 0x400000u) & 0xffff0000u, rounded = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    return (u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded;
+}
+static inline vf round_bf16_lanes(vf v) {
+    const vu bits = bf16_bits_lanes(v);
+    vf out;
+    std::memcpy(&out, &bits, sizeof out);
+    return out;
+}
+static inline void put_lanes(float *p, vf v) { store(p, v); }
+static inline void put_lanes(bf16f *p, vf v) { store(&p->value, round_bf16_lanes(v)); }
+static inline void put_lanes(bf16 *p, vf v) {
+    const vh h = __builtin_convertvector(bf16_bits_lanes(v) >> 16, vh);
+    std::memcpy(p, &h, sizeof h);
+}
+// a tile's vector of outputs: whole, or the lanes before n
+template <typename Y> static inline void put_vector(Y *p, vf v, int left) {
+    if (left >= V) return put_lanes(p, v);
+    for (int l = 0; l < left; l++) put(p + l, v[l]);
+}
+
 #if K_PAIRS
 // bfloat16 weights where the CPU has AVX512_BF16: packed in pairs along k, [tiles][k / 2][NB * V][2] (an odd k padded
 // with a zero column), and summed by vdpbf16ps, which adds both products of a pair to a lane's float32 sum in one
@@ -119,9 +145,7 @@ static inline void tile_pairs(const uint32_t *xp, const bf16 *wt, const float *b
         for (int j = 0; j < NB; j++) {
             __m512 s = acc[j][r];
             if (b) s = _mm512_add_ps(s, _mm512_loadu_ps(b + n0 + j * V));
-            float lanes[V];
-            _mm512_storeu_ps(lanes, s);
-            for (int l = 0; l < V && n0 + j * V + l < n; l++) put(yr + j * V + l, lanes[l]);
+            put_vector(yr + j * V, (vf)s, n - n0 - j * V);
         }
     }
 }
@@ -188,7 +212,7 @@ static inline void tile(const float *x, const W *wt, const float *b, Y *y, int r
         for (int j = 0; j < NB; j++) {
             vf s = acc[j][r];
             if (b) s += load(b + n0 + j * V);  // b is padded like the weight
-            for (int l = 0; l < V && n0 + j * V + l < n; l++) put(yr + j * V + l, s[l]);
+            put_vector(yr + j * V, s, n - n0 - j * V);
         }
     }
 }
