@@ -361,14 +361,14 @@ def test_both_builds_of_the_bfloat16_kernel_round_verify_passes_like_one_token_p
     the other is tested too: k rows give the bits of k one-token passes, odd k and partial tiles included, within a
     bfloat16 rounding of the float32 product, and a packed weight unpacks to itself."""
     from engine.models import native
-    from engine.models.cpu import cpu_id
+    from engine.models.cpu import cpu_flags, cpu_id
 
     own_kernel()
     monkeypatch.setenv("SPECARENA_BF16_PAIRS", pairs)
     monkeypatch.setattr(native, "_loaded", {})  # build (or recall) this variant; the process's own stays as it was
     lib = native.library(cpu_id())
     assert lib is not None, native.status()
-    wanted = pairs == "1" and "avx512_bf16" in native.cpuinfo.field("flags").split()
+    wanted = pairs == "1" and "avx512_bf16" in cpu_flags()
     assert lib.rows_pairs() <= wanted
     if wanted and not os.environ.get("CXX"):  # a compiler of one's own may be told to leave AVX512 out
         assert lib.rows_pairs() == 1
@@ -393,10 +393,10 @@ def avx2_build(tmp_path, monkeypatch):
     """Our kernel as a CPU with AVX2 and no AVX512 builds it (8 lanes, 16 vector registers): built here with
     -mno-avx512f, into a cache of the test's own, and the library this process uses for the rest of the test."""
     from engine.models import native
-    from engine.models.cpu import cpu_id
+    from engine.models.cpu import cpu_flags, cpu_id
 
     own_kernel()
-    if "avx2" not in native.cpuinfo.field("flags").split():
+    if "avx2" not in cpu_flags():
         pytest.skip("the CPU has no AVX2")
     wrapper = tmp_path / "c++"
     wrapper.write_text(f'#!/bin/sh\nexec {native.compiler()} "$@" -mno-avx512f\n')

@@ -156,6 +156,23 @@ static inline void pair_rows(const uint32_t *xp, const bf16 *wt, const float *b,
     if constexpr (R > 1) if (left < R) return pair_rows<Y, NB, R - 1>(xp, wt, b, y, r0, left, n0, kp, n);
     tile_pairs<Y, NB, R>(xp, wt, b, y, r0, n0, kp, n);
 }
+
+// the rows of x [rows][k] as tile_pairs reads them, [rows][k / 2] pairs (an odd k padded with a zero), in a buffer of
+// the calling thread's (each thread packs them for itself: no barrier). x holds bfloat16 values (exactly), so a
+// value's bits are the upper half of its float's.
+static inline const uint32_t *pack_pairs(const float *x, int rows, int k) {
+    const int kp = (k + 1) / 2;
+    static thread_local std::vector<uint32_t> pairs;
+    pairs.resize((size_t)rows * kp);
+    for (int r = 0; r < rows; r++) {
+        const uint32_t *xr = (const uint32_t *)(x + (size_t)r * k);
+        uint32_t *pr = pairs.data() + (size_t)r * kp;
+#pragma GCC ivdep
+        for (int i = 0; i < k / 2; i++) pr[i] = (xr[2 * i] >> 16) | (xr[2 * i + 1] & 0xffff0000u);
+        if (k % 2) pr[kp - 1] = xr[k - 1] >> 16;
+    }
+    return pairs.data();
+}
 #endif
 
 // W: the weight's type (float or bf16); Y: the output's (float, bf16, or bf16f: rounded to bfloat16, kept in float)
@@ -231,36 +248,24 @@ static void run(const float *x, const W *w, const float *b, Y *y, int rows, int 
     const int tiles = (n + NB * V - 1) / (NB * V);
     const int blocks = (rows + RB - 1) / RB;  // each tile is read once per block of rows, blocks as even as can be
 #if K_PAIRS
-    if constexpr (std::is_same_v<W, bf16>) {
-        const int kp = (k + 1) / 2;
-        static thread_local std::vector<uint32_t> pairs;  // each thread packs the rows for itself: no barrier
-        pairs.resize((size_t)rows * kp);
-        // x holds bfloat16 values (exactly): a value's bits are the upper half of its float's
-        for (int r = 0; r < rows; r++) {
-            const uint32_t *xr = (const uint32_t *)(x + (size_t)r * k);
-            uint32_t *pr = pairs.data() + (size_t)r * kp;
-#pragma GCC ivdep
-            for (int i = 0; i < k / 2; i++) pr[i] = (xr[2 * i] >> 16) | (xr[2 * i + 1] & 0xffff0000u);
-            if (k % 2) pr[kp - 1] = xr[k - 1] >> 16;
-        }
-#pragma omp for schedule(static)
-        for (int t = 0; t < tiles; t++) {
-            const bf16 *wt = w + (size_t)t * kp * NB * V * 2;
-            for (int block = 0, r0 = 0; block < blocks; block++) {
-                const int size = (rows - r0) / (blocks - block);
-                pair_rows<Y, NB, RB>(pairs.data(), wt, b, y, r0, size, t * NB * V, kp, n);
-                r0 += size;
-            }
-        }
-        return;
-    }
+    constexpr bool paired = std::is_same_v<W, bf16>;  // bfloat16 weights packed in pairs along k (tile_pairs)
+    const uint32_t *xp = paired ? pack_pairs(x, rows, k) : nullptr;
+#else
+    constexpr bool paired = false;
 #endif
+    const int depth = paired ? (k + 1) / 2 * 2 : k;  // a tile's weights along k (paired: an odd k padded)
 #pragma omp for schedule(static)
     for (int t = 0; t < tiles; t++) {
-        const W *wt = w + (size_t)t * k * NB * V;
+        const W *wt = w + (size_t)t * depth * NB * V;
         for (int block = 0, r0 = 0; block < blocks; block++) {
             const int size = (rows - r0) / (blocks - block);
-            rows_of<W, Y, NB, RB>(x, wt, b, y, r0, size, t * NB * V, k, n);
+            if constexpr (paired) {
+#if K_PAIRS
+                pair_rows<Y, NB, RB>(xp, wt, b, y, r0, size, t * NB * V, depth / 2, n);
+#endif
+            } else {
+                rows_of<W, Y, NB, RB>(x, wt, b, y, r0, size, t * NB * V, k, n);
+            }
             r0 += size;
         }
     }
