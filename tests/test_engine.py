@@ -354,24 +354,27 @@ def test_our_kernel_rounds_a_verify_pass_exactly_like_one_token_passes(shape, dt
                 assert ((together.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all(), rows
 
 
-@pytest.mark.parametrize("pairs", ["0", "1"])
-def test_both_builds_of_the_bfloat16_kernel_round_verify_passes_like_one_token_passes(pairs, monkeypatch):
-    """Bfloat16 weights are widened to float32 lane by lane, or, where the CPU has AVX512_BF16 and native.flags
-    asks for it (AMD), summed in pairs by vdpbf16ps from weights packed in pairs along k. Whichever build runs here,
-    the other is tested too: k rows give the bits of k one-token passes, odd k and partial tiles included, within a
-    bfloat16 rounding of the float32 product, and a packed weight unpacks to itself."""
+@pytest.mark.parametrize("build", ["widening", "pairs", "amx"])
+def test_every_build_of_the_bfloat16_kernel_rounds_verify_passes_like_one_token_passes(build, monkeypatch):
+    """Bfloat16 weights are widened to float32 lane by lane; or, where the CPU has AVX512_BF16 and native.flags
+    asks for it (AMD), summed in pairs by vdpbf16ps from weights packed in pairs along k; or, where it has AMX, by
+    AMX tiles from the same pairs, k padded to steps of 32. Whichever build runs here, the others are tested too: k
+    rows give the bits of k one-token passes (more than a tile's 16 rows included), odd k and partial tiles
+    included, within a bfloat16 rounding of the float32 product, and a packed weight unpacks to itself."""
     from engine.models import native
     from engine.models.cpu import cpu_flags, cpu_id
 
     own_kernel()
-    monkeypatch.setenv("SPECARENA_BF16_PAIRS", pairs)
+    monkeypatch.setenv("SPECARENA_BF16_PAIRS", "1" if build == "pairs" else "0")
+    monkeypatch.setenv("SPECARENA_AMX", "1" if build == "amx" else "0")
     monkeypatch.setattr(native, "_loaded", {})  # build (or recall) this variant; the process's own stays as it was
     lib = native.library(cpu_id())
     assert lib is not None, native.status()
-    wanted = pairs == "1" and "avx512_bf16" in cpu_flags()
-    assert lib.rows_pairs() <= wanted
-    if wanted and not os.environ.get("CXX"):  # a compiler of one's own may be told to leave AVX512 out
-        assert lib.rows_pairs() == 1
+    flags, own_compiler = cpu_flags(), bool(os.environ.get("CXX"))  # one's own compiler may leave AVX512 out
+    wanted = {"widening": 0, "pairs": "avx512_bf16" in flags, "amx": "amx_bf16" in flags}[build]
+    assert lib.rows_pairs() <= wanted and lib.rows_tiles() <= (build == "amx")
+    if wanted and not own_compiler:
+        assert lib.rows_pairs() == 1 and lib.rows_depth() == (32 if build == "amx" else 2)
     torch.manual_seed(0)
     for out_features, in_features in ((80, 48), (1000, 37), (576, 1536)):
         weight = torch.randn(out_features, in_features).bfloat16()
@@ -380,7 +383,7 @@ def test_both_builds_of_the_bfloat16_kernel_round_verify_passes_like_one_token_p
         assert rows.pairs == bool(lib.rows_pairs())
         unpacked, kept_bias = rows.unpacked()
         assert torch.equal(unpacked, weight) and torch.equal(kept_bias, bias)
-        for count in (2, 5, 6, 9):
+        for count in (2, 5, 6, 9, 17):
             x = torch.randn(count, in_features).bfloat16()
             together = rows(x, count)
             alone = torch.cat([rows(x[i : i + 1], 1) for i in range(count)])

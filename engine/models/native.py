@@ -39,8 +39,12 @@ LOCALITY = {"AuthenticAMD": 0}  # any other vendor: 1
 # where bfloat16 weights are summed in pairs by AVX512_BF16's vdpbf16ps (kernels/rows.h, tile_pairs), per CPU vendor:
 # on the AMD EPYC (AVX512, BF16) a fused verify pass of 5 rows of the bundled model took 9.8 ms so against 10.6
 # widening each weight to float32 (6 rows 10.2 / 11.9), one row within 2%. On the Intel Xeon (AMX) an earlier build
-# (its inputs packed in scalar code at every call) bought nothing. SPECARENA_BF16_PAIRS=0 or 1 sets it.
+# (its inputs packed in scalar code at every call) bought nothing, and the vector-packed one does not either (5 rows
+# 11.4 ms against 10.9 widening). SPECARENA_BF16_PAIRS=0 or 1 sets it.
 BF16_PAIRS = {"AuthenticAMD"}
+# Where the CPU has AMX, bfloat16 products run on its tiles (kernels/rows.h, tiles_amx) whatever BF16_PAIRS says: on
+# the 2-core Intel Xeon (AMX), in turns, a fused 5-row verify pass of the bundled model took 9.8 ms against 10.9
+# widening, 8 rows 10.8 against 17.2, one row the same. SPECARENA_AMX=0 leaves them out.
 BUILD_TIMEOUT = 300  # seconds; a 2-core machine under load takes a few
 
 _loaded: dict[str, object] = {}  # "lib": the ctypes library or None, "why": the reason when None
@@ -51,8 +55,9 @@ def compiler() -> str | None:
 
 
 def flags() -> list[str]:
-    """The compiler's flags: FLAGS, the prefetch locality for this CPU's vendor (LOCALITY) and whether its bfloat16
-    products sum pairs (BF16_PAIRS; only where the CPU has AVX512_BF16)."""
+    """The compiler's flags: FLAGS, the prefetch locality for this CPU's vendor (LOCALITY), whether its bfloat16
+    products sum pairs (BF16_PAIRS; only where the CPU has AVX512_BF16) and whether AMX tiles may sum them (where
+    -march=native finds AMX, unless SPECARENA_AMX=0)."""
     vendor = cpuinfo.field("vendor_id")
     locality = os.environ.get("SPECARENA_PREFETCH", "")
     if locality not in ("0", "1", "2", "3"):
@@ -60,7 +65,8 @@ def flags() -> list[str]:
     pairs = os.environ.get("SPECARENA_BF16_PAIRS", "")
     if pairs not in ("0", "1"):
         pairs = "1" if vendor in BF16_PAIRS else "0"
-    return [*FLAGS, f"-DPREFETCH_LOCALITY={locality}", *(["-DNO_K_PAIRS"] if pairs == "0" else [])]
+    amx = [] if os.environ.get("SPECARENA_AMX", "1") != "0" else ["-DNO_AMX"]
+    return [*FLAGS, f"-DPREFETCH_LOCALITY={locality}", *(["-DNO_K_PAIRS"] if pairs == "0" else []), *amx]
 
 
 def _library_path(cxx: str, cpu: str) -> Path:
@@ -110,7 +116,8 @@ def library(cpu: str):
             for kernel in (lib.rows_f32, lib.rows_bf16):
                 kernel.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
                 kernel.restype = None
-            lib.rows_lanes.restype = lib.rows_pairs.restype = ctypes.c_int
+            lib.rows_lanes.restype = lib.rows_pairs.restype = lib.rows_depth.restype = ctypes.c_int
+            lib.rows_tiles.restype = ctypes.c_int
             for kernel in (lib.layers_f32, lib.layers_bf16):
                 kernel.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2  # fmt: skip
@@ -156,7 +163,8 @@ class Rows:
     """One weight [out, in] (and bias) packed for the kernel: tiles of `blocks` vectors of outputs, zero-padded to
     whole tiles. `blocks` is 4 for layers with many outputs and fewer where that would leave a thread idle. Float32 or
     bfloat16 (DTYPES); the bias is kept in float32, where the sums are made. `weight` is [tiles, in, width], or, for
-    bfloat16 where the kernel sums pairs (`pairs`: native.flags), [tiles, in / 2, width, 2]."""
+    bfloat16 where the kernel sums pairs (`pairs`: native.flags), [tiles, in / 2, width, 2], `in` padded with zeros to a
+    multiple of the library's `rows_depth()` (2, or 32 for AMX tiles)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib):
         self.lib = lib
@@ -171,8 +179,8 @@ class Rows:
         padded[: self.out_features] = weight
         self.pairs = weight.dtype == torch.bfloat16 and bool(lib.rows_pairs())
         if self.pairs:  # [tiles, k / 2, width, 2]: a lane's pair of weights along k side by side (rows.h, tile_pairs)
-            if self.in_features % 2:
-                padded = torch.nn.functional.pad(padded, (0, 1))
+            depth = lib.rows_depth()  # k padded with zeros to a multiple of 2, or of 32 for AMX tiles
+            padded = torch.nn.functional.pad(padded, (0, -self.in_features % depth))
             self.weight = padded.reshape(tiles, width, -1, 2).transpose(1, 2).contiguous()
         else:
             self.weight = self._paired(padded.reshape(tiles, width, self.in_features)).transpose(1, 2).contiguous()

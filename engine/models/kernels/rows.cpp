@@ -10,6 +10,13 @@ extern "C" int rows_pairs() { return 1; }  // bfloat16 weights packed in pairs a
 #else
 extern "C" int rows_pairs() { return 0; }
 #endif
+extern "C" int rows_depth() { return K_DEPTH; }  // a bfloat16 weight's k padded with zeros to a multiple of this
+
+#if AMX_TILES
+extern "C" int rows_tiles() { return amx_ready; }  // bfloat16 products summed by AMX tiles (rows.h, tiles_amx)
+#else
+extern "C" int rows_tiles() { return 0; }
+#endif
 
 // w packed by the caller as [tiles][k][nb * V] (outputs padded with zeros to whole tiles), b (float32) padded the same
 extern "C" void rows_f32(const float *x, const float *w, const float *b, float *y, int rows, int k, int n, int nb,

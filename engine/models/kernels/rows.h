@@ -5,12 +5,16 @@
 //
 // float32 and bfloat16 weights alike: a bfloat16 weight is widened to float32 in registers (exact: its 16 bits are
 // float32's upper half), the sums run in float32 as oneDNN's do, and each output is rounded to bfloat16 once, to
-// nearest even. Half the bytes to read, so twice the tokens/s at the same bandwidth.
+// nearest even. Half the bytes to read, so twice the tokens/s at the same bandwidth. Where the CPU has AVX512_BF16
+// they may be summed in pairs instead (tile_pairs), and where it has AMX on its tiles (tiles_amx).
 #pragma once
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
-#if defined(__AVX512BF16__) && !defined(NO_K_PAIRS)
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(NO_AMX)
+#define AMX_TILES 1  // bfloat16 weights in pairs along k, summed by AMX tiles (tiles_amx below)
+#define K_PAIRS 1
+#elif defined(__AVX512BF16__) && !defined(NO_K_PAIRS)
 #define K_PAIRS 1
 #endif
 #include <cstddef>
@@ -18,6 +22,10 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#if AMX_TILES
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #if defined(__AVX512F__)
 constexpr int V = 16, REGS = 32;
@@ -29,6 +37,13 @@ constexpr int V = 8, REGS = 16;  // AVX2
 constexpr int AHEAD = 8192;  // bytes of the weight stream prefetched ahead of the loads (past a tile's end: the next)
 #ifndef PREFETCH_LOCALITY  // the prefetch's locality hint, chosen per CPU vendor by engine.models.native.flags
 #define PREFETCH_LOCALITY 0
+#endif
+#if AMX_TILES
+constexpr int K_DEPTH = 32;  // a bfloat16 weight's k padded with zeros to a multiple of this (engine.models.native)
+#elif K_PAIRS
+constexpr int K_DEPTH = 2;
+#else
+constexpr int K_DEPTH = 1;
 #endif
 template <int NB> constexpr int rows_at_once() { return (REGS - 1) / (NB + 1) < 6 ? (REGS - 1) / (NB + 1) : 6; }
 typedef float vf __attribute__((vector_size(V * sizeof(float))));
@@ -157,21 +172,109 @@ static inline void pair_rows(const uint32_t *xp, const bf16 *wt, const float *b,
     tile_pairs<Y, NB, R>(xp, wt, b, y, r0, n0, kp, n);
 }
 
-// the rows of x [rows][k] as tile_pairs reads them, [rows][k / 2] pairs (an odd k padded with a zero), in a buffer of
+// the rows of x [rows][k] as tile_pairs reads them, [rows][kp] pairs (k padded with zeros to 2 kp), in a buffer of
 // the calling thread's (each thread packs them for itself: no barrier). x holds bfloat16 values (exactly), so a
 // value's bits are the upper half of its float's.
-static inline const uint32_t *pack_pairs(const float *x, int rows, int k) {
-    const int kp = (k + 1) / 2;
+static inline const uint32_t *pack_pairs(const float *x, int rows, int k, int kp) {
     static thread_local std::vector<uint32_t> pairs;
-    pairs.resize((size_t)rows * kp);
+    pairs.assign((size_t)rows * kp, 0);
     for (int r = 0; r < rows; r++) {
         const uint32_t *xr = (const uint32_t *)(x + (size_t)r * k);
         uint32_t *pr = pairs.data() + (size_t)r * kp;
 #pragma GCC ivdep
         for (int i = 0; i < k / 2; i++) pr[i] = (xr[2 * i] >> 16) | (xr[2 * i + 1] & 0xffff0000u);
-        if (k % 2) pr[kp - 1] = xr[k - 1] >> 16;
+        if (k % 2) pr[k / 2] = xr[k - 1] >> 16;
     }
     return pairs.data();
+}
+#endif
+
+#if AMX_TILES
+// bfloat16 weights on CPUs with AMX: the same pairs along k, summed by tdpbf16ps, which multiplies a tile of up to 16
+// rows' inputs (16 pairs of each) by 16 pairs of 16 outputs' weights at once. The widening tile's FMAs were the limit
+// of a verify pass there: on the 2-core Intel Xeon (AMX) a fused 5-row bfloat16 pass of the bundled model cost 1.40
+// one-token passes, its weights coming largely from a 300 MB L3. A tile's weights are one more [kp][16][2] view of
+// the packed weight (the row stride NB * V pairs), so its layout is tile_pairs', with k padded to whole steps of 32.
+// Each output is one sum over k in 16-pair steps, in order, and a tile's rows are computed apart: a verify pass
+// rounds like one-token passes (not like either AVX512 tile: tdpbf16ps flushes subnormals and rounds as it does).
+// Linux hands a process the tiles' state only when asked (arch_prctl); where it refuses, tile_pairs runs instead
+static inline bool ask_for_tiles() {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+inline const bool amx_ready = ask_for_tiles();
+
+struct TileConfig {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+// tiles 0-3: the sums of up to 16 rows' outputs, 16 per tile (float32); 4: the rows' inputs, 16 pairs each; 5-7: a
+// step's weights, 16 pairs of 16 outputs. Loaded by each thread at each call: torch's oneDNN uses the same tiles on
+// the same threads with configurations of its own
+static inline void configure_tiles(int rows) {
+    TileConfig c{};
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = t < 5 ? rows : 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+template <typename Y, int NB>
+static void tiles_amx(const uint32_t *xp, const bf16 *w, const float *b, Y *y, int rows, int kp, int n) {
+    constexpr int width = NB * V;
+    const int tiles = (n + width - 1) / width;
+    float sums[16 * width];
+    int configured = 0;
+#pragma omp for schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        const bf16 *wt = w + (size_t)t * kp * width * 2;
+        for (int r0 = 0; r0 < rows; r0 += 16) {
+            const int m = rows - r0 < 16 ? rows - r0 : 16;
+            if (m != configured) configure_tiles(configured = m);
+            _tile_zero(0);
+            if constexpr (NB > 1) _tile_zero(1);
+            if constexpr (NB > 2) _tile_zero(2);
+            if constexpr (NB > 3) _tile_zero(3);
+            const uint32_t *xs = xp + (size_t)r0 * kp;
+            for (int i = 0; i < kp; i += 16) {
+                const bf16 *wi = wt + (size_t)i * width * 2;
+#pragma GCC unroll 64
+                for (int line = 0; line < 16 * width * 4 / 64; line++)
+                    __builtin_prefetch((const char *)wi + AHEAD + line * 64, 0, PREFETCH_LOCALITY);
+                _tile_loadd(4, xs + i, kp * 4);
+                _tile_loadd(5, wi, width * 4);
+                _tile_dpbf16ps(0, 4, 5);
+                if constexpr (NB > 1) {
+                    _tile_loadd(6, wi + 2 * V, width * 4);
+                    _tile_dpbf16ps(1, 4, 6);
+                }
+                if constexpr (NB > 2) {
+                    _tile_loadd(7, wi + 4 * V, width * 4);
+                    _tile_dpbf16ps(2, 4, 7);
+                }
+                if constexpr (NB > 3) {
+                    _tile_loadd(5, wi + 6 * V, width * 4);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+            }
+            _tile_stored(0, sums, width * 4);
+            if constexpr (NB > 1) _tile_stored(1, sums + V, width * 4);
+            if constexpr (NB > 2) _tile_stored(2, sums + 2 * V, width * 4);
+            if constexpr (NB > 3) _tile_stored(3, sums + 3 * V, width * 4);
+            for (int r = 0; r < m; r++) {
+                Y *yr = y + (size_t)(r0 + r) * n + t * width;
+                for (int j = 0; j < NB; j++) {
+                    vf s = load(sums + r * width + j * V);
+                    if (b) s += load(b + t * width + j * V);
+                    put_vector(yr + j * V, s, n - t * width - j * V);
+                }
+            }
+        }
+    }
+    if (configured) _tile_release();
 }
 #endif
 
@@ -249,11 +352,17 @@ static void run(const float *x, const W *w, const float *b, Y *y, int rows, int 
     const int blocks = (rows + RB - 1) / RB;  // each tile is read once per block of rows, blocks as even as can be
 #if K_PAIRS
     constexpr bool paired = std::is_same_v<W, bf16>;  // bfloat16 weights packed in pairs along k (tile_pairs)
-    const uint32_t *xp = paired ? pack_pairs(x, rows, k) : nullptr;
 #else
     constexpr bool paired = false;
 #endif
-    const int depth = paired ? (k + 1) / 2 * 2 : k;  // a tile's weights along k (paired: an odd k padded)
+    const int depth = paired ? (k + K_DEPTH - 1) / K_DEPTH * K_DEPTH : k;  // a tile's weights along k (padded)
+#if K_PAIRS
+    const uint32_t *xp = paired ? pack_pairs(x, rows, k, depth / 2) : nullptr;
+#if AMX_TILES
+    if constexpr (paired)
+        if (amx_ready) return tiles_amx<Y, NB>(xp, w, b, y, rows, depth / 2, n);
+#endif
+#endif
 #pragma omp for schedule(static)
     for (int t = 0; t < tiles; t++) {
         const W *wt = w + (size_t)t * depth * NB * V;
