@@ -375,6 +375,10 @@ def test_every_build_of_the_bfloat16_kernel_rounds_verify_passes_like_one_token_
     assert lib.rows_pairs() <= wanted and lib.rows_tiles() <= (build == "amx")
     if wanted and not own_compiler:
         assert lib.rows_pairs() == 1 and lib.rows_depth() == (32 if build == "amx" else 2)
+    said = {"widening": "widened to float32", "pairs": "summed in pairs by vdpbf16ps", "amx": "on AMX tiles"}
+    if build == "widening" or (wanted and not own_compiler):  # the words the page's "measured with" line shows
+        refused = build == "amx" and not lib.rows_tiles()  # Linux may refuse a process the tiles: pairs then
+        assert native.sixteen() == said["pairs" if refused else build]
     torch.manual_seed(0)
     for out_features, in_features in ((80, 48), (1000, 37), (576, 1536)):
         weight = torch.randn(out_features, in_features).bfloat16()

@@ -134,6 +134,17 @@ def version() -> str:
     return str(_loaded.get("name", ""))
 
 
+def sixteen() -> str:
+    """How the built kernel sums bfloat16 weights, in words ("" where it is not built): the page's and bench's
+    "measured with" line says it, since the three ways round differently and run at different speeds."""
+    lib = _loaded.get("lib")
+    if lib is None:
+        return ""
+    if lib.rows_tiles():
+        return "on AMX tiles"
+    return "summed in pairs by vdpbf16ps" if lib.rows_pairs() else "widened to float32"
+
+
 def status() -> str:
     """"built for this CPU", or why the kernel is not available (once `library` has been asked)."""
     if "lib" not in _loaded:
