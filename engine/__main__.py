@@ -237,7 +237,10 @@ def summary(result) -> str:
     if result.explanation:  # why speculation lost, or won under its prediction (engine.measure.explain)
         lines.append(result.explanation)
     strict = env.get("strict") or {}
-    if strict.get("width"):
+    if strict.get("exact"):
+        lines.append("strict mode not needed: every target pass runs our fused kernels, each row rounded as a "
+                     "one-token pass")  # fmt: skip
+    elif strict.get("width"):
         lines.append(f"strict mode: every target pass {strict['width']} rows wide ({strict_cost(strict)})")
     elif strict.get("cost"):
         lines.append(f"strict mode off: {strict_cost(strict)}")

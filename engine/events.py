@@ -84,7 +84,9 @@ class Comparison:
         if not self.settings.sampling.greedy:
             return Judgement("sampled", "sampled: same distribution, not the same text")
         b, s = self.baseline, self.speculative
-        return judge(b.steps, s.steps, b.token_ids, s.token_ids, self.environment.get("dtype", "float32"), decode)
+        exact = bool((self.environment.get("strict") or {}).get("exact"))
+        return judge(b.steps, s.steps, b.token_ids, s.token_ids, self.environment.get("dtype", "float32"), decode,
+                     exact)  # fmt: skip
 
     @property
     def speedup(self) -> float | None:

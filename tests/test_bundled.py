@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -97,12 +99,17 @@ def suite_prompts(categories: list[str], per_category: int) -> list[str]:
 
 
 def test_strict_mode_makes_bfloat16_greedy_identical_on_the_bundled_model():
-    """bfloat16, the dtype of every GPU: with every target pass at one width over a cache of one size, prompt
-    lookup gives the baseline's ids on rewriting, summarisation and code prompts, and the model drafting for
-    itself accepts every draft token (without strict mode it accepted 0.91-0.94 and parted by rounding)."""
+    """bfloat16, the dtype of every GPU: prompt lookup gives the baseline's ids on rewriting, summarisation and code
+    prompts, and the model drafting for itself accepts every draft token (in the model's own layers without strict
+    mode it accepted 0.91-0.94 and parted by rounding). Where our fused kernels run every pass, each row already
+    rounds as a one-token pass does and strict mode needs no width (a run that parts would be a bug); elsewhere
+    every target pass runs at one width over a cache of one size."""
     for prompt in suite_prompts(["rewriting", "summarisation", "code"], 2):
         c = compare(Settings(dtype="bfloat16", strict="on", gamma=4, max_new_tokens=48, warmup=False), prompt)
-        assert c.verdict.kind == "identical" and c.environment["strict"]["width"] == 5, prompt
+        strict = c.environment["strict"]
+        assert c.verdict.kind == "identical" and (strict.get("exact") or strict["width"] == 5), prompt
+        if os.environ.get("CI"):  # CI has a compiler, so our kernels run every pass there
+            assert strict == {"setting": "on", "width": 0, "cost": None, "exact": True}
     c = compare(Settings(dtype="bfloat16", strict="on", drafter="draft-model", draft=BUNDLED, gamma=4,
                          max_new_tokens=48, warmup=False), REWRITE)  # fmt: skip
     assert c.verdict.kind == "identical" and c.speculative.metrics.acceptance_rate == 1.0

@@ -107,6 +107,10 @@ def test_fused_speculative_equals_fused_baseline(llama_pair, dtype, gamma):
     float32."""
     target, draft, tok = llama_pair
     fused_target, fused_draft = fused_copy(target, dtype), fused_copy(draft, dtype)
+    assert fused_target.lean.rounds_alike(17)  # no strict mode needed: every row rounds as a one-token pass
+    fused_target.lm_head.use(("own", "own", "stock"))  # the LM head in stock layers from 2 rows: no longer alike
+    assert fused_target.lean.rounds_alike(1) and not fused_target.lean.rounds_alike(2)
+    fused_target.lm_head.use(("own",))
     for ids in (prompt_ids(tok, text) for text in PROMPTS[:2]):
         base = run_baseline(fused_target, tok, ids, 40).token_ids
         if dtype == torch.float32:
@@ -127,6 +131,8 @@ def test_the_fused_pass_runs_only_where_every_product_runs_our_kernel(monkeypatc
     lean.lean.join(join, Stack)
     assert lean.lean._fused(1) and not lean.lean._fused(2) and not lean.lean._fused(9)
     assert lean.lean.fused_sizes(4) == [1] and lean.lean.fused_words(17).endswith("for passes of 1 row")
+    # strict mode's padding is needed from 2 rows: those passes run stock layers, which round by the rows
+    assert lean.lean.rounds_alike(1) and not lean.lean.rounds_alike(2)
     monkeypatch.setenv("SPECARENA_FUSED", "0")
     lean.lean.join(join, Stack)
     assert lean.lean.stack is None and not lean.lean._fused(1)

@@ -37,6 +37,16 @@ def test_a_flip_within_the_rounding_the_runs_showed_is_rounding():
     assert verdict.evidence["baseline_gap"] == 0.0625 and verdict.evidence["speculative_gap"] == 0.0625
 
 
+def test_where_every_pass_rounds_rows_alike_a_flip_within_rounding_is_a_bug():
+    """Our fused kernels round each row of any pass as a one-token pass does (engine.decoding.lean.rounds_alike): a
+    run over them that parts from its baseline cannot have parted by rounding, however near the two tokens were."""
+    base, spec, b, s = pair_of_runs([5, 16.0, 6, 16.0 - 0.0625], [6, 16.0 + 0.0625, 5, 16.0])
+    verdict = judge(base, spec, b, s, "bfloat16", exact=True)
+    assert verdict.kind == "differs" and verdict.lossless is False and verdict.position == 3
+    assert "rounding cannot part them: this is a bug" in verdict.message
+    assert judge(base[:3], spec[:3], b[:3], s[:3], "bfloat16", exact=True).kind == "identical"
+
+
 def test_exact_ties_listed_in_either_order_are_read_as_ties():
     base, spec, b, s = pair_of_runs([5, 16.0, 6, 16.0], [6, 16.0, 5, 16.0])
     base[-1].top = [[6, 16.0, 5, 16.0]]  # topk listed the tie the other way round than argmax chose

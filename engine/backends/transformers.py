@@ -166,8 +166,14 @@ class Transformers:
         """The width every target pass of both runs takes in strict mode, 0 when it is off. Auto turns it on in
         16-bit dtypes (float32 passes of any width have given the same ids everywhere so far) where a pass that
         wide costs a one-token pass no more than STRICT_MARGIN (measured once per model and width): on a GPU,
-        whose small passes are bandwidth-bound, nearly always; on a CPU, as measured."""
+        whose small passes are bandwidth-bound, nearly always; on a CPU, as measured. Where every pass up to that
+        width runs our fused kernels (engine.decoding.lean.rounds_alike), each row already rounds as a one-token
+        pass does: no width is needed, whatever the setting, and `exact` says so (a run that parts is then a bug)."""
         width = widest_pass(s)
+        lean = getattr(self.pair.target.model, "lean", None)
+        if lean is not None and ENGINE.call(lean.rounds_alike, width):  # our fused kernels: alike by construction
+            self.strict = {"setting": s.strict, "width": 0, "cost": None, "exact": True}
+            return 0
         # a draft tree's passes cannot be padded to one width: auto leaves strict mode off for one (on is refused)
         wanted = s.strict == "on" or (s.strict == "auto" and self.pair.target.dtype != torch.float32 and s.topk == 1)
         cost = ENGINE.call(self.pair.target.strict_cost, width) if wanted else None

@@ -219,6 +219,17 @@ class LeanDecoder(torch.nn.Module):
         """The pass sizes up to `most` rows that run as one call."""
         return [n for n in range(1, most + 1) if self._fused(n)]
 
+    def rounds_alike(self, most: int) -> bool:
+        """Whether every pass of 1 to `most` rows rounds each row as a one-token pass does: its layers fused and the
+        LM head in our kernel at each size (tests/test_fused.py checks the whole pass's logits). Then 16-bit greedy
+        ids of speculation equal the baseline's by construction, and strict mode's padded passes are not needed."""
+        head = self.model[0].lm_head
+        table, pad = getattr(head, "table", None), getattr(head, "pad", ())
+        if table is None or getattr(head, "_own", None) is None:
+            return False
+        sizes = range(1, most + 1)
+        return all(self._fused(n) and table[min(pad[n] if n < len(pad) else n, len(table) - 1)] == "own" for n in sizes)
+
     def _fused(self, rows: int) -> bool:
         """Whether a pass of `rows` rows runs as one call: every weight role's form for it is our kernel."""
         if self.stack is None:

@@ -19,7 +19,9 @@ gaps are the same), and `judge` reads the first position where the runs part:
   while those two were within rounding of each other (a three-way tie), so the cause cannot be told.
 
 Strict mode (engine.decoding.runtime.forward's `width`) runs every target pass of both runs at one width, so the
-kernels and their rounding are the same and even 16-bit greedy ids come out identical.
+kernels and their rounding are the same and even 16-bit greedy ids come out identical. Where every pass runs our
+fused kernels on a CPU, each row already rounds as a one-token pass does, whatever the pass's size: no width is
+needed, and a run that parts is judged a bug (`exact`).
 """
 
 from __future__ import annotations
@@ -106,9 +108,11 @@ def rounding_seen(base: list, spec: list, upto: int) -> float:
     return moved
 
 
-def judge(base_steps, spec_steps, base_ids: list[int], spec_ids: list[int], dtype: str, decode=None) -> Judgement:
+def judge(base_steps, spec_steps, base_ids: list[int], spec_ids: list[int], dtype: str, decode=None,
+          exact: bool = False) -> Judgement:  # fmt: skip
     """The verdict on two greedy runs of the same prompt: see the module docstring. `decode` turns one id into
-    its text for the message."""
+    its text for the message. `exact`: every target pass rounded each row as a one-token pass does (our fused
+    kernels: engine.decoding.lean.rounds_alike), so no rounding can part the runs, and a difference is a bug."""
     if base_ids == spec_ids:
         return Judgement("identical", "outputs identical (lossless)", agreed=len(base_ids))
     i = next((k for k, (a, b) in enumerate(zip(base_ids, spec_ids)) if a != b), min(len(base_ids), len(spec_ids)))
@@ -121,6 +125,9 @@ def judge(base_steps, spec_steps, base_ids: list[int], spec_ids: list[int], dtyp
     words = {t: repr(decode([t])) if decode else str(t) for t in (a, b)}
     head = (f"identical for the first {i} tokens; at token {i + 1} the baseline chose {words[a]} and speculation "
             f"{words[b]}")  # fmt: skip
+    if exact:
+        return Judgement("differs", f"{head}, where every target pass rounds each row as a one-token pass does (our "
+                         "fused kernels), so rounding cannot part them: this is a bug, please report it", i, i)
     if base_top is None or spec_top is None:
         return Judgement("unjudged", f"{head}, and the backend reported no scores there: the cause cannot be judged",
                          i, i)  # fmt: skip

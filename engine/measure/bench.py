@@ -67,9 +67,9 @@ class Sample:
 
     @classmethod
     def of(cls, prompt: int, repeat: int, order: str, base: RunResult, spec: RunResult, greedy: bool,
-           dtype: str = "float32") -> "Sample":  # fmt: skip
+           dtype: str = "float32", exact: bool = False) -> "Sample":  # fmt: skip
         b, s = base.metrics, spec.metrics
-        verdict = judge(base.steps, spec.steps, base.token_ids, spec.token_ids, dtype) if greedy else None
+        verdict = judge(base.steps, spec.steps, base.token_ids, spec.token_ids, dtype, exact=exact) if greedy else None
         decode_passes = max(s.target_passes - 1, 1)
         return cls(
             prompt=prompt,
@@ -275,8 +275,9 @@ class Session:
                 order = "AB" if r % 2 == 0 else "BA"
                 if r == 0:
                     self.answer = base.text
+                exact = bool((getattr(self.backend, "strict", None) or {}).get("exact"))  # engine.decoding.lossless
                 samples.append(Sample.of(prompt_index, r, order, base, spec, s.sampling.greedy,
-                                         self.environment.get("dtype", "float32")))  # fmt: skip
+                                         self.environment.get("dtype", "float32"), exact))  # fmt: skip
         return samples
 
 
