@@ -78,6 +78,9 @@ def test_compare_streams_and_ends_with_a_lossless_result(model_dirs):
     # where it was measured, from the run's own environment: device, dtype, the linear forms that ran
     env = result["environment"]
     assert f"measured on {env['device_name']}" in summary and f"linears: {env['linear_forms']}" in summary
+    # and which numerics: over our fused kernels every row rounds as a one-token pass, so strict mode pads nothing
+    words = "strict mode not needed" if env["strict"].get("exact") else "strict mode off"
+    assert words in summary, env["strict"]
     assert status.startswith("run 1 · done in ") and error == ""
     assert len(history) == 1 and history[0][1].startswith("done") and history[0][2] == model_dirs["target"]
     figure = json.loads(chart.plot)
