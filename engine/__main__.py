@@ -656,6 +656,7 @@ def roofline_table(data: dict) -> str:
     for name, head in heads.items():
         lines.append(f"  {name:32}{head['ms']:>8.2f} ({head['of_bound']:.0%} of {head['bound_ms']:.2f} ms, "
                      f"{head['bytes'] / 1e6:.1f} MB at {head['read_gbs']:.1f} GB/s)")  # fmt: skip
+    lines.append(f"as loaded, linears: {data['linear_forms']}")  # which kernels ran (bfloat16: how they sum)
     return "\n".join(lines)
 
 

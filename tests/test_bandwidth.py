@@ -62,6 +62,7 @@ def test_the_roofline_sets_each_kernel_beside_the_bandwidth_read_in_the_same_min
         assert abs(passes["bound_tok_s"] / top["bound_tok_s"] - passes["read_gbs"] / top["read_gbs"]) < 0.01
     printed = capsys.readouterr().out.splitlines()
     assert f"read bandwidth {top['low_gbs']:.1f}-{top['now_gbs']:.1f} GB/s around these timings" in printed[0]
+    assert printed[-1] == f"as loaded, linears: {data['linear_forms']}"  # which kernels the passes ran
     for name, rates in data["kernels"].items():
         read = data["reads"][name]
         assert f"({rates['1'] / read:.0%} of {read:.1f})" in next(line for line in printed if name in line)
