@@ -223,9 +223,11 @@ class LeanDecoder(torch.nn.Module):
         """Whether every pass of 1 to `most` rows rounds each row as a one-token pass does: its layers fused and the
         LM head in our kernel at each size (tests/test_fused.py checks the whole pass's logits). Then 16-bit greedy
         ids of speculation equal the baseline's by construction, and strict mode's padded passes are not needed."""
-        head = self.model[0].lm_head
-        table, pad = getattr(head, "table", None), getattr(head, "pad", ())
-        if table is None or getattr(head, "_own", None) is None:
+        model = self.model[0]
+        if getattr(model, "compiled_step", None) is not None:  # a compiled model's passes are its own forward's
+            return False
+        table, pad = getattr(model.lm_head, "table", None), getattr(model.lm_head, "pad", ())
+        if table is None or getattr(model.lm_head, "_own", None) is None:
             return False
         sizes = range(1, most + 1)
         return all(self._fused(n) and table[min(pad[n] if n < len(pad) else n, len(table) - 1)] == "own" for n in sizes)
