@@ -396,6 +396,33 @@ def test_every_build_of_the_bfloat16_kernel_rounds_verify_passes_like_one_token_
             assert ((together.float() - exact).abs() <= exact.abs() * 2**-8 + 1e-5).all(), (in_features, count)
 
 
+def test_a_machine_whose_amx_tiles_fail_builds_the_kernel_without_them(tmp_path, monkeypatch):
+    """llama.cpp's AMX kernels died on Xeons with AMX seen here: before the kernel is built to use the tiles, a probe
+    runs them in a process of its own, once per CPU (its answer kept in the cache folder). A probe that dies leaves
+    the tiles out of the build (-DNO_AMX); one that passes keeps them; a CPU without AMX runs no probe."""
+    from engine.models import cpuinfo, native
+
+    own_kernel()
+    real = cpuinfo.field
+    monkeypatch.setenv("SPECARENA_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECARENA_AMX", raising=False)
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(cpuinfo, "field", lambda name: real(name).replace("amx_bf16", "") if name == "flags" else
+                        real(name))  # fmt: skip
+    assert not native.amx_works() and not (tmp_path / "kernels").exists()  # no AMX: nothing probed
+    monkeypatch.setattr(cpuinfo, "field", lambda name: real(name) + " amx_bf16" if name == "flags" else real(name))
+    for source, works in (("int main() { __builtin_trap(); }", False), ("int main() { return 0; }", True)):
+        probe = tmp_path / f"probe-{works}.cpp"
+        probe.write_text(source + "\n")
+        monkeypatch.setattr(native, "PROBE", probe)
+        monkeypatch.setattr(native, "_loaded", {})
+        assert native.amx_works() is works and ("-DNO_AMX" in native.flags()) is not works
+        monkeypatch.setattr(native, "_loaded", {})  # recalled from the cache folder, not probed again
+        with monkeypatch.context() as no_compiler:
+            no_compiler.setattr(native, "compiler", lambda: "/bin/false")
+            assert native.amx_works() is works
+
+
 def avx2_build(tmp_path, monkeypatch):
     """Our kernel as a CPU with AVX2 and no AVX512 builds it (8 lanes, 16 vector registers): built here with
     -mno-avx512f, into a cache of the test's own, and the library this process uses for the rest of the test."""

@@ -30,6 +30,7 @@ from engine.models import cpuinfo
 
 KERNELS = Path(__file__).with_name("kernels")
 SOURCES = [KERNELS / "rows.cpp", KERNELS / "layers.cpp"]  # one library; both include rows.h
+PROBE = KERNELS / "amx_probe.cpp"  # whether AMX tiles work in a process here (amx_works)
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-strict-aliasing", "-fopenmp", "-shared", "-fPIC",
          "-std=c++17"]  # fmt: skip
 # the weight stream's prefetch hint (kernels/rows.h) per CPU vendor, as measured over the bundled model's weights at
@@ -65,8 +66,44 @@ def flags() -> list[str]:
     pairs = os.environ.get("SPECARENA_BF16_PAIRS", "")
     if pairs not in ("0", "1"):
         pairs = "1" if vendor in BF16_PAIRS else "0"
-    amx = [] if os.environ.get("SPECARENA_AMX", "1") != "0" else ["-DNO_AMX"]
+    amx = os.environ.get("SPECARENA_AMX", "")
+    if amx not in ("0", "1"):
+        amx = "1" if amx_works() else "0"
+    amx = [] if amx == "1" else ["-DNO_AMX"]
     return [*FLAGS, f"-DPREFETCH_LOCALITY={locality}", *(["-DNO_K_PAIRS"] if pairs == "0" else []), *amx]
+
+
+def amx_works() -> bool:
+    """Whether AMX tiles work in a process on this machine: False where the CPU has none; else the probe
+    (kernels/amx_probe.cpp) built and run in a process of its own, once per CPU, its answer kept in the cache folder.
+    llama.cpp's AMX kernels died (SIGILL, SIGSEGV) on Xeons with AMX seen here; where the probe fails so, the kernel is
+    built without the tiles rather than take the app down with it."""
+    if "amx_bf16" not in cpuinfo.field("flags").split():
+        return False
+    if "amx" in _loaded:
+        return bool(_loaded["amx"])
+    from engine.settings import cache_dir
+
+    cxx = compiler()
+    if cxx is None:
+        return False
+    digest = hashlib.sha1("\n".join([PROBE.read_text(), cpuinfo.field("model name"), cpuinfo.field("flags")]).encode())
+    answer = cache_dir() / "kernels" / f"amx-probe-{digest.hexdigest()[:12]}.txt"
+    if not answer.is_file():
+        answer.parent.mkdir(parents=True, exist_ok=True)
+        probe = answer.with_suffix(f".{os.getpid()}.bin")
+        try:
+            built = subprocess.run([cxx, "-O1", "-march=native", "-std=c++17", str(PROBE), "-o", str(probe)],
+                                   capture_output=True, timeout=BUILD_TIMEOUT)  # fmt: skip
+            ran = subprocess.run([str(probe)], capture_output=True, timeout=60) if not built.returncode else None
+            works = ran is not None and ran.returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            works = False
+        finally:
+            probe.unlink(missing_ok=True)
+        answer.write_text("works\n" if works else "fails\n")
+    _loaded["amx"] = answer.read_text().strip() == "works"
+    return bool(_loaded["amx"])
 
 
 def _library_path(cxx: str, cpu: str) -> Path:
