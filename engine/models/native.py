@@ -75,9 +75,9 @@ def flags() -> list[str]:
 
 def amx_works() -> bool:
     """Whether AMX tiles work in a process on this machine: False where the CPU has none; else the probe
-    (kernels/amx_probe.cpp) built and run in a process of its own, once per CPU, its answer kept in the cache folder.
-    llama.cpp's AMX kernels died (SIGILL, SIGSEGV) on Xeons with AMX seen here; where the probe fails so, the kernel is
-    built without the tiles rather than take the app down with it."""
+    (kernels/amx_probe.cpp) built and run in a process of its own, once per CPU and compiler, its answer kept in the
+    cache folder. llama.cpp's AMX kernels died (SIGILL, SIGSEGV) on Xeons with AMX seen here; where the probe fails
+    so, the kernel is built without the tiles rather than take the app down with it."""
     if "amx_bf16" not in cpuinfo.field("flags").split():
         return False
     if "amx" in _loaded:
@@ -87,7 +87,8 @@ def amx_works() -> bool:
     cxx = compiler()
     if cxx is None:
         return False
-    digest = hashlib.sha1("\n".join([PROBE.read_text(), cpuinfo.field("model name"), cpuinfo.field("flags")]).encode())
+    texts = [PROBE.read_text(), cxx, cpuinfo.field("model name"), cpuinfo.field("flags")]  # a compiler may lack AMX
+    digest = hashlib.sha1("\n".join(texts).encode())
     answer = cache_dir() / "kernels" / f"amx-probe-{digest.hexdigest()[:12]}.txt"
     if not answer.is_file():
         answer.parent.mkdir(parents=True, exist_ok=True)
