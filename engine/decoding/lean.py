@@ -226,21 +226,14 @@ class LeanDecoder(torch.nn.Module):
         model = self.model[0]
         if getattr(model, "compiled_step", None) is not None:  # a compiled model's passes are its own forward's
             return False
-        table, pad = getattr(model.lm_head, "table", None), getattr(model.lm_head, "pad", ())
-        if table is None or getattr(model.lm_head, "_own", None) is None:
-            return False
-        sizes = range(1, most + 1)
-        return all(self._fused(n) and table[min(pad[n] if n < len(pad) else n, len(table) - 1)] == "own" for n in sizes)
+        head = model.lm_head  # engine.models.cpu.CpuLinear where its forms were chosen
+        return hasattr(head, "form") and all(self._fused(n) and head.form(n) == "own" for n in range(1, most + 1))
 
     def _fused(self, rows: int) -> bool:
         """Whether a pass of `rows` rows runs as one call: every weight role's form for it is our kernel."""
         if self.stack is None:
             return False
-        for layer in self._roles:
-            size = layer.pad[rows] if rows < len(layer.pad) else rows
-            if layer.table[min(size, len(layer.table) - 1)] != "own":
-                return False
-        return True
+        return all(layer.form(rows) == "own" for layer in self._roles)
 
     def forward(self, input_ids: torch.Tensor, cache: LeanCache, keep: int = 0, layers: tuple[int, ...] = (),
                 tree: list[int] | None = None):  # fmt: skip

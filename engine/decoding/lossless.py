@@ -120,14 +120,14 @@ def judge(base_steps, spec_steps, base_ids: list[int], spec_ids: list[int], dtyp
         return Judgement("unjudged", f"identical for the first {i} tokens, then one run ended before the other",
                          i, i)  # fmt: skip
     a, b = base_ids[i], spec_ids[i]
-    base_tops, spec_tops = tops(base_steps), tops(spec_steps)
-    base_top, spec_top = base_tops[i], spec_tops[i]
     words = {t: repr(decode([t])) if decode else str(t) for t in (a, b)}
     head = (f"identical for the first {i} tokens; at token {i + 1} the baseline chose {words[a]} and speculation "
             f"{words[b]}")  # fmt: skip
     if exact:
         return Judgement("differs", f"{head}, where every target pass rounds each row as a one-token pass does (our "
                          "fused kernels), so rounding cannot part them: this is a bug, please report it", i, i)
+    base_tops, spec_tops = tops(base_steps), tops(spec_steps)
+    base_top, spec_top = base_tops[i], spec_tops[i]
     if base_top is None or spec_top is None:
         return Judgement("unjudged", f"{head}, and the backend reported no scores there: the cause cannot be judged",
                          i, i)  # fmt: skip

@@ -117,6 +117,11 @@ class CpuLinear(torch.nn.Module):
             return self._run(flat, self.pad[rows])[:rows].reshape(*x.shape[:-1], self.out_features)
         return self._run(x, rows)
 
+    def form(self, rows: int) -> str:
+        """The form a pass of `rows` rows runs this layer in (as the rows `pad` says it runs as)."""
+        size = self.pad[rows] if rows < len(self.pad) else rows
+        return self.table[min(size, len(self.table) - 1)]
+
     def _run(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         form = self.table[min(rows, len(self.table) - 1)]
         weight = self.weights[form]
@@ -189,8 +194,7 @@ class Joined:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """Each member's output (views of one tensor), or None where this pass's size runs another form."""
         n = x.numel() // self.lead.in_features
-        size = self.lead.pad[n] if n < len(self.lead.pad) else n  # our kernel's rows need no padding: same bits
-        if self.lead.table[min(size, len(self.lead.table) - 1)] != "own":
+        if self.lead.form(n) != "own":  # our kernel's rows need no padding: same bits
             return None
         return self.rows(x, n).split(self.rows.sizes, -1)
 
@@ -321,7 +325,7 @@ def swap_back(swaps: list[tuple], back: bool = True) -> None:
 
 def cpu_flags() -> set[str]:
     """The CPU's feature flags as /proc/cpuinfo lists them (avx2, avx512f, amx_tile, ...)."""
-    return set(cpuinfo.field("flags").split())
+    return cpuinfo.flags()
 
 
 def device_name(device) -> str:
