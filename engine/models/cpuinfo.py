@@ -17,3 +17,8 @@ def field(name: str) -> str:
     except OSError:
         pass
     return ""
+
+
+def flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (avx2, avx512f, amx_bf16, ...)."""
+    return set(field("flags").split())

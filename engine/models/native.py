@@ -78,7 +78,7 @@ def amx_works() -> bool:
     (kernels/amx_probe.cpp) built and run in a process of its own, once per CPU and compiler, its answer kept in the
     cache folder. llama.cpp's AMX kernels died (SIGILL, SIGSEGV) on Xeons with AMX seen here; where the probe fails
     so, the kernel is built without the tiles rather than take the app down with it."""
-    if "amx_bf16" not in cpuinfo.field("flags").split():
+    if "amx_bf16" not in cpuinfo.flags():
         return False
     if "amx" in _loaded:
         return bool(_loaded["amx"])
@@ -87,7 +87,8 @@ def amx_works() -> bool:
     cxx = compiler()
     if cxx is None:
         return False
-    texts = [PROBE.read_text(), cxx, cpuinfo.field("model name"), cpuinfo.field("flags")]  # a compiler may lack AMX
+    texts = [PROBE.read_text(), (KERNELS / "rows.h").read_text(), cxx, cpuinfo.field("model name"),
+             cpuinfo.field("flags")]  # fmt: skip
     digest = hashlib.sha1("\n".join(texts).encode())
     answer = cache_dir() / "kernels" / f"amx-probe-{digest.hexdigest()[:12]}.txt"
     if not answer.is_file():
