@@ -65,21 +65,32 @@ def read_bandwidth(device: torch.device | str = "cpu", measure: bool = False) ->
     """The device's read bandwidth in bytes per second, per CPU (or GPU) and thread count, kept in the cache folder as
     engine.models.cpu keeps its layout choices. `measure` (each model load: a fraction of a second) measures again and
     keeps the best ever seen: a first measurement beside other work once read 12.6 GB/s on a machine that reads 33."""
-    from engine.models.cpu import _read, _write
+    from engine.models.cpu import _read
     from engine.settings import cache_dir
 
     device = torch.device(device)
     key = _key(device)
     if measure or key not in _KNOWN:
-        path = cache_dir() / "bandwidth.json"
-        known = _read(path)
+        known = _read(cache_dir() / "bandwidth.json")
         if measure or key not in known:
-            best = max(known.get(key, 0.0), measure_bandwidth(device))
-            if best != known.get(key):
-                _write(path, known | {key: best})
-            known[key] = best
+            return keep_best(device, measure_bandwidth(device))
         _KNOWN[key] = known[key]
     return _KNOWN[key]
+
+
+def keep_best(device: torch.device | str, measured: float) -> float:
+    """Keep a read of `measured` bytes per second among the device's reads (the best ever seen stays); returns it."""
+    from engine.models.cpu import _read, _write
+    from engine.settings import cache_dir
+
+    device = torch.device(device)
+    key, path = _key(device), cache_dir() / "bandwidth.json"
+    known = _read(path)
+    best = max(known.get(key, 0.0), measured)
+    if best != known.get(key):
+        _write(path, known | {key: best})
+    _KNOWN[key] = best
+    return best
 
 
 def bound(token_bytes: int, bandwidth: float) -> float:
