@@ -200,6 +200,10 @@ def tile_blocks(outputs: int, lanes: int, threads: int) -> int:
     576-output layer in 9 tiles of 64 ran one thread 5 tiles and the other 4 (the down projection: 3.5 MB of each
     layer's 14 MB), where 18 tiles of 32 give each 9."""
     widest = 4 if outputs >= 32 * lanes else 2 if outputs >= 16 * lanes else 1
+    if lanes == 8:  # AVX2's 16 registers hold 3 rows' sums of a 4-vector tile (kernels/rows.h, rows_at_once), 5 of a
+        # 2-vector one: on the AVX2 EPYC 4-vector tiles took a 5-row verify pass to 1.55 one-token passes in float32
+        # (the tile's second block of rows cost as much as its first), 2-vector ones 1.05-1.20, one row the same
+        widest = min(widest, 2)
     candidates = [blocks for blocks in (4, 2, 1) if blocks <= widest]
 
     def uneven(blocks: int) -> float:  # the busiest thread's tiles over an even share

@@ -327,8 +327,12 @@ static inline void tile(const float *x, const W *wt, const float *b, Y *y, int r
             }
         }
     }
+    // unrolled like the loops above, so that acc lives in registers: indexed at run time here, GCC kept it in memory
+    // and stored every sum at every k where the registers ran short (AVX2's 16)
+#pragma GCC unroll 16
     for (int r = 0; r < R; r++) {
         Y *yr = y + (size_t)(r0 + r) * n + n0;
+#pragma GCC unroll 16
         for (int j = 0; j < NB; j++) {
             vf s = acc[j][r];
             if (b) s += load(b + n0 + j * V);  // b is padded like the weight
