@@ -287,18 +287,27 @@ static inline void tile(const float *x, const W *wt, const float *b, Y *y, int r
 #pragma GCC unroll 16
         for (int r = 0; r < R; r++) acc[j][r] = vf{};
     const float *xs = x + (size_t)r0 * k;
+    // bfloat16 tiles of 2 vectors (AVX2's): each row's input broadcast just before its two FMAs, not all of them
+    // first, or AVX2's 16 registers run short at 5 rows and sums spill
+    constexpr bool late = std::is_same_v<W, bf16> && NB == 2;
     for (int i = 0; i < k; i++) {
         vf xb[R];
+        if constexpr (!late)
 #pragma GCC unroll 16
-        for (int r = 0; r < R; r++) xb[r] = vf{} + xs[(size_t)r * k + i];
+            for (int r = 0; r < R; r++) xb[r] = vf{} + xs[(size_t)r * k + i];
         const W *wi = wt + (size_t)i * NB * V;
         // the weight's lines 8 KiB ahead asked for now: on the 2-core AMD EPYC (AVX512, BF16) the hardware
         // prefetchers alone left a one-row product at 25 GB/s where memory reads 35, non-temporal prefetches (0)
         // 29-31. On the Intel Xeon (AMX) non-temporal ones held it at 11 GB/s where memory reads 28 (27 with
         // locality 1 or 3, 22 with none): the hint is the CPU vendor's (native.flags)
+        constexpr int STEP = NB * V * sizeof(W);  // bytes of weight per k: 32 in AVX2's bfloat16 tiles of 2 vectors
+        if constexpr (STEP >= 64) {
 #pragma GCC unroll 16
-        for (int line = 0; line < (int)(NB * V * sizeof(W)) / 64; line++)
-            __builtin_prefetch((const char *)wi + AHEAD + line * 64, 0, PREFETCH_LOCALITY);
+            for (int line = 0; line < STEP / 64; line++)
+                __builtin_prefetch((const char *)wi + AHEAD + line * 64, 0, PREFETCH_LOCALITY);
+        } else {  // a line spans several k: asked for at each (a test of which k would cost a branch)
+            __builtin_prefetch((const char *)wi + AHEAD, 0, PREFETCH_LOCALITY);
+        }
         if constexpr (std::is_same_v<W, bf16> && NB % 2 == 0) {
             // bfloat16 tiles of an even number of vectors are packed in pairs: lane m of a 32-bit load holds output m
             // of one vector in its low half and of the next in its high half, so one shift and one mask widen both
@@ -313,8 +322,9 @@ static inline void tile(const float *x, const W *wt, const float *b, Y *y, int r
                 asm("" : "+v"(w0), "+v"(w1));
 #pragma GCC unroll 16
                 for (int r = 0; r < R; r++) {
-                    acc[j][r] = fused(w0, xb[r], acc[j][r]);
-                    acc[j + 1][r] = fused(w1, xb[r], acc[j + 1][r]);
+                    vf xr = late ? vf{} + xs[(size_t)r * k + i] : xb[r];
+                    acc[j][r] = fused(w0, xr, acc[j][r]);
+                    acc[j + 1][r] = fused(w1, xr, acc[j + 1][r]);
                 }
             }
         } else {
