@@ -136,3 +136,98 @@ def test_the_fused_pass_runs_only_where_every_product_runs_our_kernel(monkeypatc
     monkeypatch.setenv("SPECARENA_FUSED", "0")
     lean.lean.join(join, Stack)
     assert lean.lean.stack is None and not lean.lean._fused(1)
+
+
+def fused_head(dtype, kind="eagle3", **flags):
+    """A random EAGLE-3 (or P-EAGLE) head (norm weights random too) of a tiny Llama whose linears run our kernel only,
+    given the target's forms: its layers one call of our kernels. The same weights, rounded, in either dtype."""
+    from engine.models import cpu
+    from engine.models.heads import in_target_kernels, random_head
+
+    own_kernel()
+    target = tiny_llama()
+    head = random_head(target, kind, draft_vocab=200, seed=3, mask_token_id=3 if kind == "peagle" else 0, **flags)
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=generator))
+    target, head = target.to(dtype), head.to(dtype)
+    for layer in cpu.wrap_linears(target, ("stock", "own")):
+        layer.keep_only(("own",))
+    assert in_target_kernels(head, target) and head.stack is not None and head.fused(1) and head.fused(40)
+    return target, head
+
+
+MANY_FLAGS = {"norm_before_residual": True, "attention_bias": True, "windows": (6,)}
+HEAD_FLAGS = pytest.mark.parametrize("flags", [{}, MANY_FLAGS], ids=["plain", "normed-residual-bias-window"])
+
+
+def head_passes(head, features, tokens, fused: bool = True):
+    """An EAGLE-3 head's logits over 24 rows in one pass, then row by row: the first 20 in one pass and the last 4 one
+    at a time (features: (24, hidden), already fused by fc)."""
+    from engine.decoding.heads import HeadCache
+
+    c, p = head.config, next(head.parameters())
+    stack, head.stack = head.stack, head.stack if fused else None
+    try:
+        with torch.inference_mode():
+            whole = head.eagle3(tokens, features, HeadCache(1, c.num_kv_heads, c.head_dim, p.dtype, p.device, 8))[1]
+            cache = HeadCache(1, c.num_kv_heads, c.head_dim, p.dtype, p.device, 8)  # grows as the rows come
+            parts = [head.eagle3(tokens[:20], features[:20], cache)[1]]
+            parts += [head.eagle3(tokens[i : i + 1], features[i : i + 1], cache)[1] for i in range(20, 24)]
+    finally:
+        head.stack = stack
+    return whole, torch.cat(parts)
+
+
+@DTYPES
+@HEAD_FLAGS
+def test_a_heads_fused_pass_rounds_every_row_like_a_one_row_pass(dtype, flags):
+    """An EAGLE-3 head's layers as one call (Head.join): each row of a pass is the same bits whatever the pass's
+    rows, with a sliding window's mask too, so a chain step and the pass over the target's kept rows agree."""
+    _, head = fused_head(dtype, **flags)
+    torch.manual_seed(5)
+    features = torch.randn(24, head.config.hidden_size).to(dtype)
+    whole, parts = head_passes(head, features, torch.randint(0, 200, (24,)))
+    assert torch.equal(whole, parts)
+
+
+@DTYPES
+@HEAD_FLAGS
+def test_a_heads_fused_pass_computes_its_torch_layers(dtype, flags):
+    """float32: the head's own layers' logits to float32 rounding. bfloat16: as near the float32 head as its torch
+    layers in bfloat16 are."""
+    _, head = fused_head(dtype, **flags)
+    torch.manual_seed(5)
+    features, tokens = torch.randn(24, head.config.hidden_size), torch.randint(0, 200, (24,))
+    ours, theirs = (head_passes(head, features.to(dtype), tokens, fused)[0].float() for fused in (True, False))
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    else:
+        exact = head_passes(fused_head(torch.float32, **flags)[1], features, tokens, fused=False)[0]
+        assert (ours - exact).abs().mean() <= 1.5 * (theirs - exact).abs().mean()
+
+
+@pytest.mark.parametrize("kind, topk", [("eagle3", 1), ("eagle3", 3), ("peagle", 1)],
+                         ids=["eagle3-chain", "eagle3-tree", "peagle"])  # fmt: skip
+def test_a_fused_head_drafts_what_its_torch_layers_draft(llama_pair, kind, topk):
+    """EAGLE-3's chain and tree drafts (EAGLE-2's tree: rows at their depth's positions, each seeing its branch) and
+    P-EAGLE's (every draft in one pass) over the target's features are the same in float32 with the layers as one
+    call and in torch operations."""
+    from engine.decoding.sampling import SamplingConfig
+    from engine.models.heads import drafter_for
+
+    target, head = fused_head(torch.float32, kind)
+    ids = prompt_ids(llama_pair[2], PROMPTS[0])
+    drafts = {}
+    for fused in (True, False):
+        stack, head.stack = head.stack, head.stack if fused else None
+        drafter = drafter_for(head, target.config.vocab_size, 4, topk=topk)
+        with torch.inference_mode():
+            _, features = forward(target, ids[:-1], new_cache(target), layers=drafter.layers)
+            drafter.see(features)
+            draft = drafter.propose(ids, 4, SamplingConfig(temperature=0.0), torch.Generator())
+        head.stack = stack
+        drafts[fused] = (draft.tokens, getattr(draft, "parents", None))
+    assert drafts[True] == drafts[False] and len(drafts[True][0]) >= 4

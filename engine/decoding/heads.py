@@ -32,6 +32,7 @@ apart from the model files.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass, field
 
@@ -342,6 +343,56 @@ class Head(nn.Module):
         self.register_buffer("d2t", None)  # (draft vocab,) target id of each draft id; None = the same ids
         self.register_buffer("inv_freq", None, persistent=False)
         self.reset_rotary()
+        self.stack = None  # the layers as one call of our kernels, where join made them so
+
+    def join(self, join, stack) -> bool:
+        """Once the linear layers have the target's forms (engine.models.cpu.like_target), make each layer's q/k/v
+        one call of our kernel and gate/up another (`join`: engine.models.cpu.join), and the layers one call of
+        kernels/layers.cpp (`stack`: engine.models.native.Stack), as the target's lean pass runs its own
+        (engine.decoding.lean): an EAGLE-3 chain step of the bundled model's head spent ~2 ms of its 3.7 in ~100
+        torch operations around the products. For EAGLE-3 and P-EAGLE heads (their passes are `eagle3`'s) with
+        SiLU-gated MLPs, where every product runs our kernel under one table; the passes of the sizes where one does
+        not run it stay in torch operations. Its outputs equal those to float32 rounding, and each row of a pass
+        rounds as a one-row pass does. Whether the layers run as one call."""
+        from engine.decoding.lean import fused_enabled
+
+        self.stack, c = None, self.config
+        if not (c.eagle and not c.qk_norm and c.hidden_act in ("silu", "swish") and fused_enabled()):
+            return False
+        linears = self._linears()
+        if any(getattr(layer, "_own", None) is None for layer in linears):
+            return False
+        if len({(layer.table, layer.pad) for layer in linears}) != 1:
+            return False
+        specs = []
+        for i, layer in enumerate(self.layers):
+            a, m = layer.self_attn, layer.mlp
+            qkv, gate_up = join([a.q_proj, a.k_proj, a.v_proj]), join([m.gate_proj, m.up_proj])
+            if qkv is None or gate_up is None:
+                return False
+            spec = {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+                    "qkv": qkv.rows, "o": a.o_proj._own, "gate_up": gate_up.rows, "down": m.down_proj._own}  # fmt: skip
+            if i == 0:  # EAGLE-3's first layer reads the token's embedding beside the state
+                spec |= {"hidden_norm": layer.hidden_norm.weight, "normed_residual": c.norm_before_residual}
+            specs.append(spec)
+        shape = {"hidden": c.hidden_size, "heads": c.num_heads, "head_dim": c.head_dim, "kv_heads": c.num_kv_heads,
+                 "intermediate": c.intermediate_size, "eps": c.rms_norm_eps, "scale": c.head_dim**-0.5}  # fmt: skip
+        self.stack = stack(specs, shape, linears[0]._own.lib)
+        return True
+
+    def _linears(self) -> list:
+        """Every layer's linear layers, as they are now (like_target and its timing swap them)."""
+        return [linear for layer in self.layers for linear in (
+            layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+            layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]  # fmt: skip
+
+    def fused(self, rows: int) -> bool:
+        """Whether an `eagle3` pass of `rows` rows runs as one call of our kernels: every product's form for it is
+        ours."""
+        if self.stack is None:
+            return False
+        return all(getattr(linear, "_own", None) is not None and linear.form(rows) == "own"
+                   for linear in self._linears())  # fmt: skip
 
     def reset_rotary(self) -> None:
         """The rotary frequencies, on the device of the head's weights (also after a meta-device build)."""
@@ -444,17 +495,42 @@ class Head(nn.Module):
         k_pos = cache.positions[: past + rows]
         cos, sin = self.rotary(past, rows, x.dtype, positions)
         e, h = self.embed_tokens(tokens)[None], x[None]  # (1, rows, H)
-        for i, layer in enumerate(self.layers):
-            residual, inp = self.layer_input(i, e, h)
-            q = layer.query(inp, cos, sin)
-            cache.keys[i][:, :, past : past + rows], cache.values[i][:, :, past : past + rows] = layer.keys_values(
-                inp, cos, sin)  # fmt: skip
-            seen = visible(positions, k_pos, True, c.window(i), mask)
-            h = layer.finish(residual, attend(q, cache.keys[i][:, :, : past + rows],
-                                              cache.values[i][:, :, : past + rows], seen))  # fmt: skip
+        seen = [visible(positions, k_pos, True, c.window(i), mask) for i in range(c.num_layers)]
+        if self.fused(rows):
+            h = self._run_stack(e[0], x, cache, past, cos, sin, seen)[None]
+        else:
+            for i, layer in enumerate(self.layers):
+                residual, inp = self.layer_input(i, e, h)
+                q = layer.query(inp, cos, sin)
+                cache.keys[i][:, :, past : past + rows], cache.values[i][:, :, past : past + rows] = layer.keys_values(
+                    inp, cos, sin)  # fmt: skip
+                h = layer.finish(residual, attend(q, cache.keys[i][:, :, : past + rows],
+                                                  cache.values[i][:, :, : past + rows], seen[i]))  # fmt: skip
         cache.length = past + rows
         state, logits = self.output(h[0])
         return state, logits
+
+    def _run_stack(self, embedded, x, cache: HeadCache, past: int, cos, sin, masks: list) -> torch.Tensor:
+        """`eagle3`'s layers as calls of our kernels (one per stretch of layers that see the same keys): embedded and
+        x (rows, H) in, the last layer's output (rows, H) out; masks: each layer's `visible` keys, (rows, past + rows)
+        or None (causal)."""
+        h = x.to(torch.float32, copy=True).contiguous()  # the kernel keeps the residual stream in float32
+        embedded = embedded.to(torch.float32).contiguous()
+        half = cos.shape[-1] // 2
+        cos, sin = cos[0, 0].to(torch.float32).contiguous(), sin[0, 0].to(torch.float32, copy=True).contiguous()
+        sin[:, :half] = -sin[:, :half]  # rotate_half's sign moved onto sin, as the kernel takes it: the same products
+        pointers = ctypes.c_void_p * len(cache.keys)
+        keys, values = pointers(*(t.data_ptr() for t in cache.keys)), pointers(*(t.data_ptr() for t in cache.values))
+        def same(a, b) -> bool:
+            return a is b or (a is not None and b is not None and torch.equal(a, b))
+
+        start = 0
+        for stop in range(1, len(masks) + 1):
+            if stop == len(masks) or not same(masks[stop], masks[start]):
+                mask = None if masks[start] is None else masks[start].to(torch.uint8).contiguous()
+                self.stack(h, start, stop, past, cos, sin, mask, keys, values, cache.capacity, embedded)
+                start = stop
+        return h.to(x.dtype)
 
     def dflash(self, context: torch.Tensor, block: torch.Tensor, cache: HeadCache) -> torch.Tensor:
         """One DFlash block: context (rows, features) of the positions after what `cache` holds, then the block's

@@ -64,14 +64,14 @@ BLOCK = 4  # a DFlash block as the forge serves it on a CPU: the last token and 
 
 def head_passes(loaded, repeats: int = 30) -> dict:
     """A draft head's passes in the target's shapes (random weights: the cost is the same) against the bound of the
-    weights each reads, in the kernels the target's layers run (engine.models.cpu.like_target) and in torch's stock
+    weights each reads, in the kernels the target's layers run (engine.models.heads.in_target_kernels: an EAGLE-3
+    head's layers as one call of ours where they all run it) and in torch's stock
     layers, the two taking turns (serving keeps the faster: engine.models.heads.serve_forms): an EAGLE-3 chain step
     (its layer over one row, then its LM head over the draft vocabulary) and a DFlash block pass (the context row
     through fc, its layer over the block, the target's LM head over the γ drafting rows). {name: {"ms", "bytes",
     "read_gbs", "bound_ms", "of_bound"}}. A head's weights are small: where the CPU's caches hold most of them, a step
     beats the bound."""
-    from engine.models.cpu import like_target
-    from engine.models.heads import draft_pass, random_head, time_forms
+    from engine.models.heads import draft_pass, in_target_kernels, random_head, time_forms
 
     target, device = loaded.model, loaded.device
     clock = Clock(device)
@@ -80,7 +80,7 @@ def head_passes(loaded, repeats: int = 30) -> dict:
         vocab = min(DRAFT_VOCAB, target.config.get_text_config().vocab_size) if kind == "eagle3" else 0
         head = random_head(target, kind, draft_vocab=vocab, block_size=BLOCK)
         weights = _read_bytes(head)
-        swaps = like_target(head, target, keep=("fc",))
+        swaps = in_target_kernels(head, target)
         step = draft_pass(head, block=BLOCK)
         what = "EAGLE-3 chain step" if kind == "eagle3" else f"DFlash block of {BLOCK}"
         before = measure_bandwidth(device)

@@ -505,17 +505,32 @@ HEADS = LoadedHeads()
 
 
 def serve_forms(head: Head, target, repeats: int = 15) -> bool:
-    """Run the head's layers in the kernels the target's run (engine.models.cpu.like_target; fc stays) where its
-    draft passes are faster so, timed here in turns against torch's stock layers; else leave them. Whether they were
-    swapped. On the Intel Xeon (AMX), in bfloat16 an EAGLE-3 chain step of the bundled model's head cost 1.0-1.5 ms so
-    against 1.5-2.7 in stock layers, and a DFlash block 5-10% less; in float32 a chain step cost 6-10% more (the
-    head's 35 MB sit largely in the CPU's caches, where MKL reads fast) and a block 5% less."""
-    swaps = like_target(head, target, keep=("fc",))
+    """Run the head's layers in the kernels the target's run (`in_target_kernels`) where its draft passes are faster
+    so, timed here in turns against torch's stock layers; else leave them. Whether they were swapped. On the Intel Xeon
+    (AMX), in bfloat16 an EAGLE-3 chain step of the bundled model's head cost 1.0-1.5 ms so against 1.5-2.7 in stock
+    layers, and a DFlash block 5-10% less; in float32 a chain step cost 6-10% more (the head's 35 MB sit largely in the
+    CPU's caches, where MKL reads fast) and a block 5% less (both before an EAGLE-3 head's layers ran as one call)."""
+    swaps = in_target_kernels(head, target)
     if not swaps:
         return False
     best = time_forms(swaps, draft_pass(head), Clock(next(head.parameters()).device), repeats)
-    swap_back(swaps, back=best[True] >= best[False])
-    return best[True] < best[False]
+    back = best[True] >= best[False]
+    swap_back(swaps, back=back)
+    if back:
+        head.stack = None
+    return not back
+
+
+def in_target_kernels(head: Head, target) -> list[tuple]:
+    """Give the head's linear layers the forms the target's run (engine.models.cpu.like_target; fc stays) and, where
+    they all run our kernel, an EAGLE-3 head's layers one call of it (Head.join). The swaps made, for swap_back."""
+    from engine.models import native
+    from engine.models.cpu import join
+
+    swaps = like_target(head, target, keep=("fc",))
+    if swaps:
+        head.join(join, native.Stack)
+    return swaps
 
 
 def time_forms(swaps: list[tuple], step, clock: Clock, repeats: int) -> dict[bool, float]:

@@ -23,6 +23,9 @@ struct Layer {                      // one decoder layer's weights, packed for r
     const void *o; const float *o_bias; int o_nb;         // [E, H*D]
     const void *gate_up; const float *gate_up_bias; int gate_up_nb;  // gate and up joined: [2*I, E]
     const void *down; const float *down_bias; int down_nb;           // [E, I]
+    // an EAGLE-3 head's first layer (null in a decoder's): its q, k and v read [input_norm(the token's embedding),
+    // hidden_norm(the state)], 2E wide, and with normed_residual the residual stream is the normed state
+    const float *hidden_norm; int normed_residual;
 };
 
 struct Shape {
@@ -125,21 +128,33 @@ template <typename W> static void rotate(float *x, const float *cos, const float
 }
 
 template <typename W>
-static void layers(const Layer *stack, int first, int last, const Shape &s, float *x, int rows, int past,
-                   const float *cos, const float *sin, const uint8_t *mask, W **keys, W **values, int capacity,
-                   int threads) {
+static void layers(const Layer *stack, int first, int last, const Shape &s, float *x, const float *embedded, int rows,
+                   int past, const float *cos, const float *sin, const uint8_t *mask, W **keys, W **values,
+                   int capacity, int threads) {
     const int E = s.hidden, D = s.head_dim, H = s.heads, KV = s.kv_heads, I = s.intermediate;
     const int q_width = H * D, kv_width = KV * D, qkv_width = q_width + 2 * kv_width, total = past + rows;
     const int groups = H / KV;
-    std::vector<float> h((size_t)rows * E), qkv((size_t)rows * qkv_width), att((size_t)rows * q_width);
+    int widest = E;  // the widest input of a q/k/v product: 2E where a layer reads the embedding beside the state
+    for (int l = first; l < last; l++) widest = stack[l].hidden_norm ? 2 * E : widest;
+    std::vector<float> h((size_t)rows * widest), qkv((size_t)rows * qkv_width), att((size_t)rows * q_width);
     std::vector<float> out((size_t)rows * E), gate_up((size_t)rows * 2 * I), act((size_t)rows * I);
     std::vector<float> scores((size_t)threads * total);  // one row of scores per thread (a long prompt's are many)
 #pragma omp parallel num_threads(threads)
     for (int l = first; l < last; l++) {
         const Layer &L = stack[l];
+        const int in = L.hidden_norm ? 2 * E : E;  // the q/k/v products' input width
 #pragma omp for schedule(static)
-        for (int r = 0; r < rows; r++) norm<W>(x + (size_t)r * E, L.input_norm, h.data() + (size_t)r * E, s);
-        product(h.data(), (const W *)L.qkv, L.qkv_bias, (Out<W> *)qkv.data(), rows, E, qkv_width, L.qkv_nb);
+        for (int r = 0; r < rows; r++) {
+            float *hr = h.data() + (size_t)r * in, *xr = x + (size_t)r * E;
+            if (!L.hidden_norm) {
+                norm<W>(xr, L.input_norm, hr, s);
+                continue;
+            }
+            norm<W>(embedded + (size_t)r * E, L.input_norm, hr, s);
+            norm<W>(xr, L.hidden_norm, hr + E, s);
+            if (L.normed_residual) std::memcpy(xr, hr + E, E * sizeof(float));
+        }
+        product(h.data(), (const W *)L.qkv, L.qkv_bias, (Out<W> *)qkv.data(), rows, in, qkv_width, L.qkv_nb);
         // rotary embeddings of q and k; k and v written to the cache at the rows' positions
 #pragma omp for schedule(static)
         for (int r = 0; r < rows; r++) {
@@ -210,16 +225,17 @@ static void layers(const Layer *stack, int first, int last, const Shape &s, floa
 }
 
 // x: [rows, E] float32 (a bfloat16 model's values, exactly), the residual stream entering layer `first`, left as it
-// leaves layer `last` - 1; cos, sin: [rows, D] (the rows' positions; values of the model's dtype); mask: [rows,
-// past + rows], which keys each row sees (a tree), or null (causal); keys, values: each layer's cache, [KV][capacity][D]
-extern "C" void layers_f32(const Layer *stack, int first, int last, const Shape *s, float *x, int rows, int past,
-                           const float *cos, const float *sin, const uint8_t *mask, float **keys, float **values,
-                           int capacity, int threads) {
-    layers<float>(stack, first, last, *s, x, rows, past, cos, sin, mask, keys, values, capacity, threads);
+// leaves layer `last` - 1; embedded: [rows, E], the rows' token embeddings where a layer reads them (hidden_norm), else
+// unused; cos, sin: [rows, D] (the rows' positions; values of the model's dtype); mask: [rows, past + rows], which keys
+// each row sees (a tree, a sliding window), or null (causal); keys, values: each layer's cache, [KV][capacity][D]
+extern "C" void layers_f32(const Layer *stack, int first, int last, const Shape *s, float *x, const float *embedded,
+                           int rows, int past, const float *cos, const float *sin, const uint8_t *mask, float **keys,
+                           float **values, int capacity, int threads) {
+    layers<float>(stack, first, last, *s, x, embedded, rows, past, cos, sin, mask, keys, values, capacity, threads);
 }
 
-extern "C" void layers_bf16(const Layer *stack, int first, int last, const Shape *s, float *x, int rows, int past,
-                            const float *cos, const float *sin, const uint8_t *mask, bf16 **keys, bf16 **values,
-                            int capacity, int threads) {
-    layers<bf16>(stack, first, last, *s, x, rows, past, cos, sin, mask, keys, values, capacity, threads);
+extern "C" void layers_bf16(const Layer *stack, int first, int last, const Shape *s, float *x, const float *embedded,
+                            int rows, int past, const float *cos, const float *sin, const uint8_t *mask, bf16 **keys,
+                            bf16 **values, int capacity, int threads) {
+    layers<bf16>(stack, first, last, *s, x, embedded, rows, past, cos, sin, mask, keys, values, capacity, threads);
 }
