@@ -654,7 +654,7 @@ def roofline_table(data: dict) -> str:
         lines.append("draft head passes (random weights in the target's shapes), ms (% of the bound at the read around "
                      "it: the weights each reads)")  # fmt: skip
     for name, head in heads.items():
-        lines.append(f"  {name:32}{head['ms']:>8.2f} ({head['of_bound']:.0%} of {head['bound_ms']:.2f} ms, "
+        lines.append(f"  {name:44}{head['ms']:>8.2f} ({head['of_bound']:.0%} of {head['bound_ms']:.2f} ms, "
                      f"{head['bytes'] / 1e6:.1f} MB at {head['read_gbs']:.1f} GB/s)")  # fmt: skip
     lines.append(f"as loaded, linears: {data['linear_forms']}")  # which kernels ran (bfloat16: how they sum)
     return "\n".join(lines)

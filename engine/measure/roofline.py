@@ -64,14 +64,15 @@ BLOCK = 4  # a DFlash block as the forge serves it on a CPU: the last token and 
 
 def head_passes(loaded, repeats: int = 30) -> dict:
     """A draft head's passes in the target's shapes (random weights: the cost is the same) against the bound of the
-    weights each reads, in the kernels the target's layers run (engine.models.heads.in_target_kernels: an EAGLE-3
-    head's layers as one call of ours where they all run it) and in torch's stock
-    layers, the two taking turns (serving keeps the faster: engine.models.heads.serve_forms): an EAGLE-3 chain step
-    (its layer over one row, then its LM head over the draft vocabulary) and a DFlash block pass (the context row
-    through fc, its layer over the block, the target's LM head over the γ drafting rows). {name: {"ms", "bytes",
-    "read_gbs", "bound_ms", "of_bound"}}. A head's weights are small: where the CPU's caches hold most of them, a step
-    beats the bound."""
-    from engine.models.heads import draft_pass, in_target_kernels, random_head, time_forms
+    weights each reads, in torch's stock layers and in the kernels the target's layers run
+    (engine.models.heads.in_target_kernels; serving keeps the faster: engine.models.heads.serve_forms), and for an
+    EAGLE-3 head whose layers run as one call of ours, also with its layers in torch operations around our products:
+    what the one call buys. The variants take turns. An EAGLE-3 chain step (its layer over one row, then its LM head
+    over the draft vocabulary) and a DFlash block pass (the context row through fc, its layer over the block, the
+    target's LM head over the γ drafting rows). {name: {"ms", "bytes", "read_gbs", "bound_ms", "of_bound"}}. A head's
+    weights are small: where the CPU's caches hold most of them, a step beats the bound."""
+    from engine.models.cpu import swap_back
+    from engine.models.heads import draft_pass, in_target_kernels, random_head
 
     target, device = loaded.model, loaded.device
     clock = Clock(device)
@@ -81,17 +82,26 @@ def head_passes(loaded, repeats: int = 30) -> dict:
         head = random_head(target, kind, draft_vocab=vocab, block_size=BLOCK)
         weights = _read_bytes(head)
         swaps = in_target_kernels(head, target)
-        step = draft_pass(head, block=BLOCK)
+        stack, step = head.stack, draft_pass(head, block=BLOCK)
+        variants = {"stock layers": (False, None)}  # name: (our kernels, the layers' one call)
+        if swaps:
+            variants["our kernels"] = (True, stack)
+        if stack is not None:
+            variants["our products, torch ops"] = (True, None)
         what = "EAGLE-3 chain step" if kind == "eagle3" else f"DFlash block of {BLOCK}"
         before = measure_bandwidth(device)
-        best = time_forms(swaps, step, clock, repeats)
-        if not swaps:  # nothing to run in our kernels: both turns ran stock layers
-            del best[True]
+        best = dict.fromkeys(variants, float("inf"))
+        with torch.inference_mode():
+            for _ in range(repeats + 1):
+                for name, (ours, head.stack) in variants.items():
+                    swap_back(swaps, back=not ours)
+                    start = clock.now()
+                    step()
+                    best[name] = min(best[name], clock.now() - start)
         read = (before + measure_bandwidth(device)) / 2
-        for ours, took in sorted(best.items()):
-            name = f"{what}, {'our kernels' if ours else 'stock layers'}"
-            out[name] = {"ms": took * 1000, "bytes": weights, "read_gbs": round(read / 1e9, 1),
-                         "bound_ms": weights / read * 1000, "of_bound": weights / read / took}  # fmt: skip
+        for name, took in best.items():
+            out[f"{what}, {name}"] = {"ms": took * 1000, "bytes": weights, "read_gbs": round(read / 1e9, 1),
+                                      "bound_ms": weights / read * 1000, "of_bound": weights / read / took}  # fmt: skip
     return out
 
 
