@@ -71,14 +71,13 @@ def test_the_roofline_sets_each_kernel_beside_the_bandwidth_read_in_the_same_min
         assert share in next(line for line in printed if name in line)
     # a draft head's passes in stock layers and in our kernel (the target's run it), each against the bound of the
     # bytes it reads: an EAGLE-3 step its layer and its LM head, a DFlash block fc, its layer and the target's LM head;
-    # where the target's layers run as one call of ours, an EAGLE-3 head's do too, timed again in torch operations
-    # around our products (a DFlash head's layers are torch operations)
+    # where the target's layers run as one call of ours, a head's do too, timed again in torch operations around our
+    # products
     heads = data["heads"]
     fused = "whole layers in our kernels for every pass" in data["linear_forms"]
-    assert {name.split(", ", 1)[1] for name in heads} == {"stock layers", "our kernels"} | (
-        {"our products, torch ops"} if fused else set())  # fmt: skip
-    assert {name.split(", ")[0] for name in heads} == {"EAGLE-3 chain step", "DFlash block of 4"}
-    assert "DFlash block of 4, our products, torch ops" not in heads
+    variants = {"stock layers", "our kernels"} | ({"our products, torch ops"} if fused else set())
+    for what in ("EAGLE-3 chain step", "DFlash block of 4"):
+        assert {name.split(", ", 1)[1] for name in heads if name.startswith(what)} == variants
     for name, head in heads.items():
         assert head["bytes"] == heads[name.split(", ")[0] + ", stock layers"]["bytes"]  # the same weights either way
         assert abs(head["bound_ms"] / 1000 / (head["bytes"] / (head["read_gbs"] * 1e9)) - 1) < 0.01

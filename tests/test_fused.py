@@ -139,14 +139,16 @@ def test_the_fused_pass_runs_only_where_every_product_runs_our_kernel(monkeypatc
 
 
 def fused_head(dtype, kind="eagle3", **flags):
-    """A random EAGLE-3 (or P-EAGLE) head (norm weights random too) of a tiny Llama whose linears run our kernel only,
-    given the target's forms: its layers one call of our kernels. The same weights, rounded, in either dtype."""
+    """A random head of a kind whose layers run fused (EAGLE-3, P-EAGLE, DFlash, DSpark; norm weights random too) of a
+    tiny Llama whose linears run our kernel only, given the target's forms: its layers one call of our kernels. The
+    same weights, rounded, in either dtype."""
     from engine.models import cpu
     from engine.models.heads import in_target_kernels, random_head
 
     own_kernel()
     target = tiny_llama()
-    head = random_head(target, kind, draft_vocab=200, seed=3, mask_token_id=3 if kind == "peagle" else 0, **flags)
+    head = random_head(target, kind, draft_vocab=200, seed=3, mask_token_id=0 if kind == "eagle3" else 3,
+                       block_size=5, **flags)  # fmt: skip
     generator = torch.Generator().manual_seed(4)
     with torch.no_grad():
         for name, p in head.named_parameters():
@@ -193,6 +195,45 @@ def test_a_heads_fused_pass_rounds_every_row_like_a_one_row_pass(dtype, flags):
     assert torch.equal(whole, parts)
 
 
+BLOCKS = pytest.mark.parametrize("flags", [{}, {"causal": (True, False), "windows": (0, 7), "num_layers": 2}],
+                                 ids=["non-causal", "causal-then-windowed"])  # fmt: skip
+
+
+def block_passes(head, features, fused: bool = True):
+    """A DFlash head's final states of two blocks: after 20 context rows, then after 4 more (features unfused)."""
+    from engine.decoding.heads import HeadCache
+
+    c, p = head.config, next(head.parameters())
+    block = torch.tensor([7, 3, 3, 3])
+    stack, head.stack = head.stack, head.stack if fused else None
+    try:
+        with torch.inference_mode():
+            cache = HeadCache(c.num_layers, c.num_kv_heads, c.head_dim, p.dtype, p.device, 8)
+            return torch.cat([head.dflash(features[:20], block, cache), head.dflash(features[20:], block, cache)])
+    finally:
+        head.stack = stack
+
+
+@DTYPES
+@BLOCKS
+def test_a_dflash_heads_fused_block_computes_its_torch_layers(dtype, flags):
+    """A DFlash head's layers as one call: the context rows' keys and values unnormed, Qwen3's per-head q/k norms, a
+    block causal or not, windowed or not. float32: its torch layers' states to float32 rounding; bfloat16: as near
+    the float32 head as its torch layers in bfloat16 are."""
+    flags = dict(flags)  # the parametrized dict is shared between the runs
+    layers = flags.pop("num_layers", 1)
+    _, head = fused_head(dtype, "dflash", layers=layers, **flags)
+    assert head.config.qk_norm and head.config.num_layers == layers
+    torch.manual_seed(6)
+    features = torch.randn(24, head.config.feature_size)
+    ours, theirs = (block_passes(head, features.to(dtype), fused).float() for fused in (True, False))
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    else:
+        exact = block_passes(fused_head(torch.float32, "dflash", layers=layers, **flags)[1], features, fused=False)
+        assert (ours - exact).abs().mean() <= 1.5 * (theirs - exact).abs().mean()
+
+
 @DTYPES
 @HEAD_FLAGS
 def test_a_heads_fused_pass_computes_its_torch_layers(dtype, flags):
@@ -209,12 +250,12 @@ def test_a_heads_fused_pass_computes_its_torch_layers(dtype, flags):
         assert (ours - exact).abs().mean() <= 1.5 * (theirs - exact).abs().mean()
 
 
-@pytest.mark.parametrize("kind, topk", [("eagle3", 1), ("eagle3", 3), ("peagle", 1)],
-                         ids=["eagle3-chain", "eagle3-tree", "peagle"])  # fmt: skip
+@pytest.mark.parametrize("kind, topk", [("eagle3", 1), ("eagle3", 3), ("peagle", 1), ("dflash", 1), ("dspark", 1)],
+                         ids=["eagle3-chain", "eagle3-tree", "peagle", "dflash", "dspark"])  # fmt: skip
 def test_a_fused_head_drafts_what_its_torch_layers_draft(llama_pair, kind, topk):
-    """EAGLE-3's chain and tree drafts (EAGLE-2's tree: rows at their depth's positions, each seeing its branch) and
-    P-EAGLE's (every draft in one pass) over the target's features are the same in float32 with the layers as one
-    call and in torch operations."""
+    """EAGLE-3's chain and tree drafts (EAGLE-2's tree: rows at their depth's positions, each seeing its branch),
+    P-EAGLE's (every draft in one pass) and DFlash's and DSpark's blocks over the target's features are the same in
+    float32 with the layers as one call and in torch operations."""
     from engine.decoding.sampling import SamplingConfig
     from engine.models.heads import drafter_for
 

@@ -350,14 +350,16 @@ class Head(nn.Module):
         one call of our kernel and gate/up another (`join`: engine.models.cpu.join), and the layers one call of
         kernels/layers.cpp (`stack`: engine.models.native.Stack), as the target's lean pass runs its own
         (engine.decoding.lean): an EAGLE-3 chain step of the bundled model's head spent ~2 ms of its 3.7 in ~100
-        torch operations around the products. For EAGLE-3 and P-EAGLE heads (their passes are `eagle3`'s) with
-        SiLU-gated MLPs, where every product runs our kernel under one table; the passes of the sizes where one does
-        not run it stay in torch operations. Its outputs equal those to float32 rounding, and each row of a pass
-        rounds as a one-row pass does. Whether the layers run as one call."""
+        torch operations around the products. For EAGLE-3 and P-EAGLE heads (`eagle3`'s passes) and DFlash and
+        DSpark heads (`dflash`'s; DFlash2's convolutions stay torch operations) with SiLU-gated MLPs, where every
+        product runs our kernel under one table; the passes of the sizes where one does not run it stay in torch
+        operations. Its outputs equal those to float32 rounding, and each row of a pass rounds as a one-row pass
+        does. Whether the layers run as one call."""
         from engine.decoding.lean import fused_enabled
 
         self.stack, c = None, self.config
-        if not (c.eagle and not c.qk_norm and c.hidden_act in ("silu", "swish") and fused_enabled()):
+        kinds = c.eagle and not c.qk_norm or c.kind in ("dflash", "dspark") and not c.conv_kernel_size
+        if not (kinds and c.hidden_act in ("silu", "swish") and fused_enabled()):
             return False
         linears = self._linears()
         if any(getattr(layer, "_own", None) is None for layer in linears):
@@ -372,8 +374,10 @@ class Head(nn.Module):
                 return False
             spec = {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
                     "qkv": qkv.rows, "o": a.o_proj._own, "gate_up": gate_up.rows, "down": m.down_proj._own}  # fmt: skip
-            if i == 0:  # EAGLE-3's first layer reads the token's embedding beside the state
+            if i == 0 and c.eagle:  # EAGLE-3's first layer reads the token's embedding beside the state
                 spec |= {"hidden_norm": layer.hidden_norm.weight, "normed_residual": c.norm_before_residual}
+            if c.qk_norm:
+                spec |= {"q_norm": a.q_norm.weight, "k_norm": a.k_norm.weight}
             specs.append(spec)
         shape = {"hidden": c.hidden_size, "heads": c.num_heads, "head_dim": c.head_dim, "kv_heads": c.num_kv_heads,
                  "intermediate": c.intermediate_size, "eps": c.rms_norm_eps, "scale": c.head_dim**-0.5}  # fmt: skip
@@ -510,12 +514,15 @@ class Head(nn.Module):
         state, logits = self.output(h[0])
         return state, logits
 
-    def _run_stack(self, embedded, x, cache: HeadCache, past: int, cos, sin, masks: list) -> torch.Tensor:
-        """`eagle3`'s layers as calls of our kernels (one per stretch of layers that see the same keys): embedded and
-        x (rows, H) in, the last layer's output (rows, H) out; masks: each layer's `visible` keys, (rows, past + rows)
-        or None (causal)."""
+    def _run_stack(self, embedded, x, cache: HeadCache, past: int, cos, sin, masks: list,
+                   context: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """The layers as calls of our kernels (one per stretch of layers that see the same keys): x (rows, H) in, the
+        last layer's output (rows, H) out; `eagle3`'s with the rows' token embeddings (rows, H), `dflash`'s with the
+        context rows (C, H) whose keys and values come first; masks: each layer's `visible` keys, (rows, past + C +
+        rows), or None (causal)."""
         h = x.to(torch.float32, copy=True).contiguous()  # the kernel keeps the residual stream in float32
-        embedded = embedded.to(torch.float32).contiguous()
+        embedded = None if embedded is None else embedded.to(torch.float32).contiguous()
+        context = None if context is None else context.to(torch.float32).contiguous()
         half = cos.shape[-1] // 2
         cos, sin = cos[0, 0].to(torch.float32).contiguous(), sin[0, 0].to(torch.float32, copy=True).contiguous()
         sin[:, :half] = -sin[:, :half]  # rotate_half's sign moved onto sin, as the kernel takes it: the same products
@@ -528,7 +535,7 @@ class Head(nn.Module):
         for stop in range(1, len(masks) + 1):
             if stop == len(masks) or not same(masks[stop], masks[start]):
                 mask = None if masks[start] is None else masks[start].to(torch.uint8).contiguous()
-                self.stack(h, start, stop, past, cos, sin, mask, keys, values, cache.capacity, embedded)
+                self.stack(h, start, stop, past, cos, sin, mask, keys, values, cache.capacity, embedded, context)
                 start = stop
         return h.to(x.dtype)
 
@@ -545,6 +552,14 @@ class Head(nn.Module):
         ctx = self.fuse(context)[None]  # (1, rows, H): keys and values come straight from it in every layer
         cos, sin = self.rotary(past, rows + size, ctx.dtype)
         h = self.embed_tokens(block)[None]  # (1, B, H)
+        if self.fused(size) and self.fused(rows + size):  # the kernels' products run over both sizes
+            every, seen = torch.ones(size, total, dtype=torch.bool, device=block.device), []
+            for i in range(c.num_layers):  # the kernel reads None as causal: a non-causal block sees every key
+                mask = visible(q_pos, k_pos, c.block_causal(i), c.window(i))
+                seen.append(every if mask is None and not c.block_causal(i) else mask)
+            h = self._run_stack(None, h[0], cache, past, cos, sin, seen, ctx[0])
+            cache.length = past + rows
+            return self.norm(h)
         for i, layer in enumerate(self.layers):
             inp, taps = layer.input_layernorm(h), None
             if c.conv_kernel_size:  # DFlash2: the block rows convolved before attention (the context is not)

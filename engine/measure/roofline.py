@@ -65,9 +65,9 @@ BLOCK = 4  # a DFlash block as the forge serves it on a CPU: the last token and 
 def head_passes(loaded, repeats: int = 30) -> dict:
     """A draft head's passes in the target's shapes (random weights: the cost is the same) against the bound of the
     weights each reads, in torch's stock layers and in the kernels the target's layers run
-    (engine.models.heads.in_target_kernels; serving keeps the faster: engine.models.heads.serve_forms), and for an
-    EAGLE-3 head whose layers run as one call of ours, also with its layers in torch operations around our products:
-    what the one call buys. The variants take turns. An EAGLE-3 chain step (its layer over one row, then its LM head
+    (engine.models.heads.in_target_kernels; serving keeps the faster: engine.models.heads.serve_forms), and where the
+    head's layers run as one call of ours, also with its layers in torch operations around our products: what the one
+    call buys. The variants take turns. An EAGLE-3 chain step (its layer over one row, then its LM head
     over the draft vocabulary) and a DFlash block pass (the context row through fc, its layer over the block, the
     target's LM head over the γ drafting rows). {name: {"ms", "bytes", "read_gbs", "bound_ms", "of_bound"}}. A head's
     weights are small: where the CPU's caches hold most of them, a step beats the bound."""

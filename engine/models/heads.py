@@ -509,7 +509,7 @@ def serve_forms(head: Head, target, repeats: int = 15) -> bool:
     so, timed here in turns against torch's stock layers; else leave them. Whether they were swapped. On the Intel Xeon
     (AMX), in bfloat16 an EAGLE-3 chain step of the bundled model's head cost 1.0-1.5 ms so against 1.5-2.7 in stock
     layers, and a DFlash block 5-10% less; in float32 a chain step cost 6-10% more (the head's 35 MB sit largely in the
-    CPU's caches, where MKL reads fast) and a block 5% less (both before an EAGLE-3 head's layers ran as one call)."""
+    CPU's caches, where MKL reads fast) and a block 5% less (both before a head's layers ran as one call)."""
     swaps = in_target_kernels(head, target)
     if not swaps:
         return False
@@ -523,7 +523,7 @@ def serve_forms(head: Head, target, repeats: int = 15) -> bool:
 
 def in_target_kernels(head: Head, target) -> list[tuple]:
     """Give the head's linear layers the forms the target's run (engine.models.cpu.like_target; fc stays) and, where
-    they all run our kernel, an EAGLE-3 head's layers one call of it (Head.join). The swaps made, for swap_back."""
+    they all run our kernel, the head's layers one call of it (Head.join). The swaps made, for swap_back."""
     from engine.models import native
     from engine.models.cpu import join
 

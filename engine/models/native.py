@@ -158,8 +158,8 @@ def library(cpu: str):
             lib.rows_lanes.restype = lib.rows_pairs.restype = lib.rows_depth.restype = ctypes.c_int
             lib.rows_tiles.restype = ctypes.c_int
             for kernel in (lib.layers_f32, lib.layers_bf16):
-                kernel.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 3 + [
-                    ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2  # fmt: skip
+                kernel.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 4 + [
+                    ctypes.c_int] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2  # fmt: skip
                 kernel.restype = None
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
             lib, why = None, f"not built: {error}"
@@ -300,7 +300,8 @@ class _Layer(ctypes.Structure):  # kernels/layers.cpp's Layer
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)] + [
         field for name in ("qkv", "o", "gate_up", "down")
         for field in ((name, ctypes.c_void_p), (f"{name}_bias", ctypes.c_void_p), (f"{name}_nb", ctypes.c_int))
-    ] + [("hidden_norm", ctypes.c_void_p), ("normed_residual", ctypes.c_int)]  # fmt: skip
+    ] + [("hidden_norm", ctypes.c_void_p), ("normed_residual", ctypes.c_int), ("q_norm", ctypes.c_void_p),
+         ("k_norm", ctypes.c_void_p)]  # fmt: skip
 
 
 class _Shape(ctypes.Structure):  # kernels/layers.cpp's Shape
@@ -312,8 +313,8 @@ class Stack:
     """A Llama-family decoder's layers as one call of kernels/layers.cpp (engine.decoding.lean's fused pass, a draft
     head's: engine.decoding.heads): each layer's norms (float32 copies) and its q/k/v, o, gate/up and down products
     packed for the kernel (`Rows`, q/k/v and gate/up joined), with the shapes. An EAGLE-3 head's first layer also
-    gives its "hidden_norm" (its q/k/v read the token's embedding beside the normed state) and "normed_residual".
-    Holds references to every tensor it points to."""
+    gives its "hidden_norm" (its q/k/v read the token's embedding beside the normed state) and "normed_residual", a
+    DFlash head's layers their per-head "q_norm" and "k_norm". Holds references to every tensor it points to."""
 
     def __init__(self, layers: list[dict], shape: dict, lib):
         self.dtype = layers[0]["qkv"].weight_dtype
@@ -328,6 +329,10 @@ class Stack:
             if layer.get("hidden_norm") is not None:
                 self._kept.append(layer["hidden_norm"].detach().to(torch.float32).contiguous())
                 out.hidden_norm, out.normed_residual = self._kept[-1].data_ptr(), int(layer["normed_residual"])
+            for name in ("q_norm", "k_norm"):
+                if layer.get(name) is not None:
+                    self._kept.append(layer[name].detach().to(torch.float32).contiguous())
+                    setattr(out, name, self._kept[-1].data_ptr())
             for name in ("qkv", "o", "gate_up", "down"):
                 rows = layer[name]
                 setattr(out, name, rows.weight.data_ptr())
@@ -337,12 +342,14 @@ class Stack:
         self.shape = _Shape(**shape)
 
     def __call__(self, x: torch.Tensor, first: int, last: int, past: int, cos: torch.Tensor, sin: torch.Tensor,
-                 mask: torch.Tensor | None, keys, values, capacity: int, embedded: torch.Tensor | None = None) -> None:
+                 mask: torch.Tensor | None, keys, values, capacity: int, embedded: torch.Tensor | None = None,
+                 context: torch.Tensor | None = None) -> None:
         """Run layers first..last-1 over x ([rows, hidden] float32, contiguous, written in place); cos and sin:
-        [rows, head_dim] float32; mask: [rows, past + rows] uint8 or None (causal); keys, values: ctypes arrays of
-        each layer's cache pointers ([kv heads, capacity, head_dim] of the model's dtype); embedded: [rows, hidden]
-        float32, the rows' token embeddings, for a layer with a hidden_norm."""
-        self.kernel(self.layers, first, last, ctypes.byref(self.shape), x.data_ptr(),
-                    None if embedded is None else embedded.data_ptr(), x.shape[0], past, cos.data_ptr(),
-                    sin.data_ptr(), None if mask is None else mask.data_ptr(), keys, values, capacity,
-                    torch.get_num_threads())  # fmt: skip
+        [context rows + rows, head_dim] float32; mask: [rows, past + context rows + rows] uint8 or None (causal);
+        keys, values: ctypes arrays of each layer's cache pointers ([kv heads, capacity, head_dim] of the model's
+        dtype); embedded: [rows, hidden] float32, the rows' token embeddings, for a layer with a hidden_norm;
+        context: [context rows, hidden] float32, a DFlash head's context rows (keys and values only, written first)."""
+        pointer = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        self.kernel(self.layers, first, last, ctypes.byref(self.shape), x.data_ptr(), pointer(embedded),
+                    pointer(context), 0 if context is None else context.shape[0], x.shape[0], past, cos.data_ptr(),
+                    sin.data_ptr(), pointer(mask), keys, values, capacity, torch.get_num_threads())  # fmt: skip

@@ -26,6 +26,8 @@ struct Layer {                      // one decoder layer's weights, packed for r
     // an EAGLE-3 head's first layer (null in a decoder's): its q, k and v read [input_norm(the token's embedding),
     // hidden_norm(the state)], 2E wide, and with normed_residual the residual stream is the normed state
     const float *hidden_norm; int normed_residual;
+    // a DFlash head's layer: Qwen3's per-head norms of q and k, [D] each, before their rotary embeddings (or null)
+    const float *q_norm, *k_norm;
 };
 
 struct Shape {
@@ -96,13 +98,15 @@ template <typename W> static inline float dot(const float *a, const W *b, int n)
     return s;
 }
 
-// LlamaRMSNorm of one row: in float32, scaled by the weight; rounded as torch rounds a bfloat16 model's
-template <typename W> static void norm(const float *x, const float *weight, float *h, const Shape &s) {
-    const int n = s.hidden;
-    const float mean = dot(x, x, n) / n, inv = 1.0f / std::sqrt(mean + s.eps);
+// LlamaRMSNorm of n values: in float32, scaled by the weight; rounded as torch rounds a bfloat16 model's (h may be x)
+template <typename W> static void norm(const float *x, const float *weight, float *h, int n, float eps) {
+    const float mean = dot(x, x, n) / n, inv = 1.0f / std::sqrt(mean + eps);
     int i = 0;
     for (; i + V <= n; i += V) store(h + i, keep_lanes<W>(load(weight + i) * keep_lanes<W>(load(x + i) * inv)));
     for (; i < n; i++) h[i] = keep<W>(weight[i] * keep<W>(x[i] * inv));
+}
+template <typename W> static void norm(const float *x, const float *weight, float *h, const Shape &s) {
+    norm<W>(x, weight, h, s.hidden, s.eps);
 }
 
 // x[i] = x[i] + y[i] as the model's dtype holds it, for i < n
@@ -128,15 +132,16 @@ template <typename W> static void rotate(float *x, const float *cos, const float
 }
 
 template <typename W>
-static void layers(const Layer *stack, int first, int last, const Shape &s, float *x, const float *embedded, int rows,
-                   int past, const float *cos, const float *sin, const uint8_t *mask, W **keys, W **values,
-                   int capacity, int threads) {
+static void layers(const Layer *stack, int first, int last, const Shape &s, float *x, const float *embedded,
+                   const float *context, int C, int rows, int past, const float *cos, const float *sin,
+                   const uint8_t *mask, W **keys, W **values, int capacity, int threads) {
     const int E = s.hidden, D = s.head_dim, H = s.heads, KV = s.kv_heads, I = s.intermediate;
-    const int q_width = H * D, kv_width = KV * D, qkv_width = q_width + 2 * kv_width, total = past + rows;
+    const int q_width = H * D, kv_width = KV * D, qkv_width = q_width + 2 * kv_width, total = past + C + rows;
     const int groups = H / KV;
     int widest = E;  // the widest input of a q/k/v product: 2E where a layer reads the embedding beside the state
     for (int l = first; l < last; l++) widest = stack[l].hidden_norm ? 2 * E : widest;
-    std::vector<float> h((size_t)rows * widest), qkv((size_t)rows * qkv_width), att((size_t)rows * q_width);
+    const int all = C + rows;  // rows whose keys and values the pass writes: the context's, then its own
+    std::vector<float> h((size_t)all * widest), qkv((size_t)all * qkv_width), att((size_t)rows * q_width);
     std::vector<float> out((size_t)rows * E), gate_up((size_t)rows * 2 * I), act((size_t)rows * I);
     std::vector<float> scores((size_t)threads * total);  // one row of scores per thread (a long prompt's are many)
 #pragma omp parallel num_threads(threads)
@@ -144,21 +149,28 @@ static void layers(const Layer *stack, int first, int last, const Shape &s, floa
         const Layer &L = stack[l];
         const int in = L.hidden_norm ? 2 * E : E;  // the q/k/v products' input width
 #pragma omp for schedule(static)
-        for (int r = 0; r < rows; r++) {
-            float *hr = h.data() + (size_t)r * in, *xr = x + (size_t)r * E;
+        for (int a = 0; a < all; a++) {
+            float *hr = h.data() + (size_t)a * in, *xr = x + (size_t)(a - C) * E;
+            if (a < C) {  // a DFlash context row: its keys and values come from it as it is, unnormed
+                std::memcpy(hr, context + (size_t)a * E, E * sizeof(float));
+                continue;
+            }
             if (!L.hidden_norm) {
                 norm<W>(xr, L.input_norm, hr, s);
                 continue;
             }
-            norm<W>(embedded + (size_t)r * E, L.input_norm, hr, s);
+            norm<W>(embedded + (size_t)(a - C) * E, L.input_norm, hr, s);
             norm<W>(xr, L.hidden_norm, hr + E, s);
             if (L.normed_residual) std::memcpy(xr, hr + E, E * sizeof(float));
         }
-        product(h.data(), (const W *)L.qkv, L.qkv_bias, (Out<W> *)qkv.data(), rows, in, qkv_width, L.qkv_nb);
-        // rotary embeddings of q and k; k and v written to the cache at the rows' positions
+        product(h.data(), (const W *)L.qkv, L.qkv_bias, (Out<W> *)qkv.data(), all, in, qkv_width, L.qkv_nb);
+        // per-head norms (a DFlash head's), rotary embeddings of q and k; k and v written to the cache at the rows'
+        // positions
 #pragma omp for schedule(static)
-        for (int r = 0; r < rows; r++) {
+        for (int r = 0; r < all; r++) {
             float *row = qkv.data() + (size_t)r * qkv_width;
+            for (int head = 0; L.q_norm && head < H + KV; head++)
+                norm<W>(row + head * D, head < H ? L.q_norm : L.k_norm, row + head * D, D, s.eps);
             for (int head = 0; head < H + KV; head++) rotate<W>(row + head * D, cos + (size_t)r * D, sin + (size_t)r * D, D);
             for (int head = 0; head < KV; head++) {
                 const size_t at = ((size_t)head * capacity + past + r) * D;
@@ -172,10 +184,10 @@ static void layers(const Layer *stack, int first, int last, const Shape &s, floa
 #pragma omp for schedule(static)
         for (int task = 0; task < rows * H; task++) {
             const int r = task / H, head = task % H, kv = head / groups;
-            const float *q = qkv.data() + (size_t)r * qkv_width + head * D;
+            const float *q = qkv.data() + (size_t)(C + r) * qkv_width + head * D;
             const W *k = keys[l] + (size_t)kv * capacity * D, *v = values[l] + (size_t)kv * capacity * D;
             const uint8_t *sees = mask ? mask + (size_t)r * total : nullptr;
-            const int end = mask ? total : past + r + 1;
+            const int end = mask ? total : past + C + r + 1;
             float *score = scores.data() + (size_t)omp_get_thread_num() * total, top = -INFINITY;
             for (int j = 0; j < end; j++) {
                 if (sees && !sees[j]) continue;
@@ -226,16 +238,20 @@ static void layers(const Layer *stack, int first, int last, const Shape &s, floa
 
 // x: [rows, E] float32 (a bfloat16 model's values, exactly), the residual stream entering layer `first`, left as it
 // leaves layer `last` - 1; embedded: [rows, E], the rows' token embeddings where a layer reads them (hidden_norm), else
-// unused; cos, sin: [rows, D] (the rows' positions; values of the model's dtype); mask: [rows, past + rows], which keys
-// each row sees (a tree, a sliding window), or null (causal); keys, values: each layer's cache, [KV][capacity][D]
+// unused; context: [C, E], a DFlash head's context rows, whose keys and values each layer writes before the rows' (at
+// positions past..past + C - 1) and which pass through no more of it (C = 0: none); cos, sin: [C + rows, D] (the rows'
+// positions; values of the model's dtype); mask: [rows, past + C + rows], which keys each row sees (a tree, a sliding
+// window, a block), or null (causal); keys, values: each layer's cache, [KV][capacity][D]
 extern "C" void layers_f32(const Layer *stack, int first, int last, const Shape *s, float *x, const float *embedded,
-                           int rows, int past, const float *cos, const float *sin, const uint8_t *mask, float **keys,
-                           float **values, int capacity, int threads) {
-    layers<float>(stack, first, last, *s, x, embedded, rows, past, cos, sin, mask, keys, values, capacity, threads);
+                           const float *context, int C, int rows, int past, const float *cos, const float *sin,
+                           const uint8_t *mask, float **keys, float **values, int capacity, int threads) {
+    layers<float>(stack, first, last, *s, x, embedded, context, C, rows, past, cos, sin, mask, keys, values, capacity,
+                  threads);
 }
 
 extern "C" void layers_bf16(const Layer *stack, int first, int last, const Shape *s, float *x, const float *embedded,
-                            int rows, int past, const float *cos, const float *sin, const uint8_t *mask, bf16 **keys,
-                            bf16 **values, int capacity, int threads) {
-    layers<bf16>(stack, first, last, *s, x, embedded, rows, past, cos, sin, mask, keys, values, capacity, threads);
+                            const float *context, int C, int rows, int past, const float *cos, const float *sin,
+                            const uint8_t *mask, bf16 **keys, bf16 **values, int capacity, int threads) {
+    layers<bf16>(stack, first, last, *s, x, embedded, context, C, rows, past, cos, sin, mask, keys, values, capacity,
+                 threads);
 }
