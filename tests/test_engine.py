@@ -460,6 +460,18 @@ def test_the_kernel_built_for_avx2_rounds_verify_passes_like_one_token_passes(tm
                 assert torch.equal(rows(x[:count], count), alone[:count]), (dtype, in_features, count)
 
 
+def test_tiles_are_as_wide_as_the_registers_hold_a_verify_pass_and_share_out_evenly():
+    """native.tile_blocks: tiles of 4 vectors where a layer has many outputs on AVX512 (32 registers hold 6 rows' sums
+    of one), at most 2 on AVX2 (16 registers hold 3 rows' sums of a 4-vector tile, 5 of a 2-vector one: a 5-row
+    verify pass read each weight twice), and narrower where the tiles would not share out evenly among the threads."""
+    from engine.models.native import tile_blocks
+
+    assert [tile_blocks(n, 16, 2) for n in (49152, 1536, 960, 576, 192, 64)] == [4, 4, 2, 2, 1, 1]
+    assert [tile_blocks(n, 16, 1) for n in (49152, 960, 576, 192)] == [4, 4, 4, 1]  # one thread: nothing to share
+    assert [tile_blocks(n, 8, 2) for n in (49152, 1536, 960, 576, 192, 64)] == [2, 2, 2, 2, 2, 1]
+    assert all(tile_blocks(n, 8, threads) <= 2 for n in range(8, 60000, 97) for threads in (1, 2, 4))
+
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_layers_joined_in_one_call_of_our_kernel_give_each_layers_own_bits(bias, dtype):

@@ -70,9 +70,11 @@ def read_bandwidth(device: torch.device | str = "cpu", measure: bool = False) ->
 
     device = torch.device(device)
     key = _key(device)
-    if measure or key not in _KNOWN:
+    if measure:
+        return keep_best(device, measure_bandwidth(device))
+    if key not in _KNOWN:
         known = _read(cache_dir() / "bandwidth.json")
-        if measure or key not in known:
+        if key not in known:
             return keep_best(device, measure_bandwidth(device))
         _KNOWN[key] = known[key]
     return _KNOWN[key]
