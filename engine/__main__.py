@@ -236,19 +236,23 @@ def summary(result) -> str:
         lines.append(f"draft trees: {s.tree_nodes:.1f} nodes verified per target pass")
     if result.explanation:  # why speculation lost, or won under its prediction (engine.measure.explain)
         lines.append(result.explanation)
-    strict = env.get("strict") or {}
-    if strict.get("exact"):
-        lines.append("strict mode not needed: every target pass runs our fused kernels, each row rounded as a "
-                     "one-token pass")  # fmt: skip
-    elif strict.get("width"):
-        lines.append(f"strict mode: every target pass {strict['width']} rows wide ({strict_cost(strict)})")
-    elif strict.get("cost"):
-        lines.append(f"strict mode off: {strict_cost(strict)}")
+    if strict_words(env.get("strict")):
+        lines.append(strict_words(env.get("strict")))
     if result.verdict is not None and result.verdict.kind not in ("sampled", "stopped"):
         lines.append(f"lossless: {result.verdict.message}")
     lines.append("")
     lines.append(result.speculative.text)
     return "\n".join(lines)
+
+
+def strict_words(strict: dict | None) -> str:
+    """What strict mode did in a run (the backend's environment "strict"), in words; "" where it was not asked."""
+    strict = strict or {}
+    if strict.get("exact"):
+        return "strict mode not needed: every target pass runs our fused kernels, each row rounded as a one-token pass"
+    if strict.get("width"):
+        return f"strict mode: every target pass {strict['width']} rows wide ({strict_cost(strict)})"
+    return f"strict mode off: {strict_cost(strict)}" if strict.get("cost") else ""
 
 
 def strict_cost(strict: dict) -> str:
@@ -408,9 +412,11 @@ def sweep_table(data: dict) -> str:
     from engine.measure import report
 
     env = data["environment"]
-    lines = [f"{data['settings']['target']} on {env['device_name']} ({env['dtype']}), {versions(env)}",
-             f"{'drafter':15}{'gamma':>6}{'temp':>6}  {'speedup (min-max)':22}{'accept':>8}{'tok/s base':>12}"
-             f"{'tok/s spec':>12}  identical"]  # fmt: skip
+    lines = [f"{data['settings']['target']} on {env['device_name']} ({env['dtype']}), {versions(env)}"]
+    if strict_words(env.get("strict")):  # whether 16-bit verify passes were padded, or needed no padding
+        lines.append(strict_words(env.get("strict")))
+    lines.append(f"{'drafter':15}{'gamma':>6}{'temp':>6}  {'speedup (min-max)':22}{'accept':>8}{'tok/s base':>12}"
+                 f"{'tok/s spec':>12}  identical")  # fmt: skip
     for c in data["cells"]:
         accept = c["acceptance_rate"]["median"]
         drafter = _label(c["drafter"], c.get("p_min", 0.0), c.get("topk", 1))

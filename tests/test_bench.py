@@ -148,6 +148,20 @@ def test_cli_bench_writes_valid_json(model_dirs, tmp_path, capsys):
     assert "speedup (min-max)" in capsys.readouterr().out
 
 
+def test_cli_bench_says_what_strict_mode_did(model_dirs, tmp_path, capsys):
+    """bfloat16 with strict mode on: the header says whether the verify passes were padded or needed no padding, as
+    `run` and the page say it (strict mode is settled at the first run, after the environment was read at load)."""
+    from engine.__main__ import strict_words
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--target", model_dirs["target"], "--drafter", "prompt-lookup", "--prompt", "ab ab ab",
+                 "--gamma", "2", "--dtype", "bfloat16", "--strict", "on", "--repeats", "1", "--max-new-tokens", "8",
+                 "--json", str(out)]) == 0  # fmt: skip
+    strict = json.loads(out.read_text())["environment"]["strict"]
+    assert strict["setting"] == "on" and (strict.get("exact") or strict["width"] >= 3)
+    assert strict_words(strict).startswith("strict mode") and strict_words(strict) in capsys.readouterr().out
+
+
 def test_cli_hf_comparison_writes_valid_json(model_dirs, tmp_path, capsys):
     out = tmp_path / "hf.json"
     code = main(["bench", "--compare", "hf", "--target", model_dirs["target"], "--drafter", "prompt-lookup",

@@ -402,7 +402,8 @@ def sweep(
         "kind": "sweep",
         "settings": settings,
         "prompt_set": described,
-        "environment": session.environment,
+        # strict mode is settled at the first run, after the environment was read at load
+        "environment": session.environment | {"strict": getattr(session.backend, "strict", None)},
         "cells": [c.summary() for c in cells],
         "samples": [
             dict(cell=i, category=cat, **asdict(s))
