@@ -359,8 +359,8 @@ class Head(nn.Module):
 
         self.stack, c = None, self.config
         kinds = c.eagle and not c.qk_norm or c.kind in ("dflash", "dspark") and not c.conv_kernel_size
-        if not (kinds and c.hidden_act in ("silu", "swish") and fused_enabled()):
-            return False
+        if not (kinds and c.hidden_act in ("silu", "swish") and c.head_dim <= 256 and fused_enabled()):
+            return False  # (the kernel's rotary and attention hold a head's values on the stack: lean's limit)
         linears = self._linears()
         if any(getattr(layer, "_own", None) is None for layer in linears):
             return False
@@ -391,8 +391,8 @@ class Head(nn.Module):
             layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]  # fmt: skip
 
     def fused(self, rows: int) -> bool:
-        """Whether an `eagle3` pass of `rows` rows runs as one call of our kernels: every product's form for it is
-        ours."""
+        """Whether the layers' products over `rows` rows run as one call of our kernels (Head.join): every product's
+        form for that many rows is ours."""
         if self.stack is None:
             return False
         return all(getattr(linear, "_own", None) is not None and linear.form(rows) == "own"
@@ -528,6 +528,7 @@ class Head(nn.Module):
         sin[:, :half] = -sin[:, :half]  # rotate_half's sign moved onto sin, as the kernel takes it: the same products
         pointers = ctypes.c_void_p * len(cache.keys)
         keys, values = pointers(*(t.data_ptr() for t in cache.keys)), pointers(*(t.data_ptr() for t in cache.values))
+
         def same(a, b) -> bool:
             return a is b or (a is not None and b is not None and torch.equal(a, b))
 

@@ -150,11 +150,12 @@ static void layers(const Layer *stack, int first, int last, const Shape &s, floa
         const int in = L.hidden_norm ? 2 * E : E;  // the q/k/v products' input width
 #pragma omp for schedule(static)
         for (int a = 0; a < all; a++) {
-            float *hr = h.data() + (size_t)a * in, *xr = x + (size_t)(a - C) * E;
+            float *hr = h.data() + (size_t)a * in;
             if (a < C) {  // a DFlash context row: its keys and values come from it as it is, unnormed
                 std::memcpy(hr, context + (size_t)a * E, E * sizeof(float));
                 continue;
             }
+            float *xr = x + (size_t)(a - C) * E;
             if (!L.hidden_norm) {
                 norm<W>(xr, L.input_norm, hr, s);
                 continue;
