@@ -236,8 +236,8 @@ def summary(result) -> str:
         lines.append(f"draft trees: {s.tree_nodes:.1f} nodes verified per target pass")
     if result.explanation:  # why speculation lost, or won under its prediction (engine.measure.explain)
         lines.append(result.explanation)
-    if strict_words(env.get("strict")):
-        lines.append(strict_words(env.get("strict")))
+    if words := strict_words(env.get("strict")):
+        lines.append(words)
     if result.verdict is not None and result.verdict.kind not in ("sampled", "stopped"):
         lines.append(f"lossless: {result.verdict.message}")
     lines.append("")
@@ -413,8 +413,8 @@ def sweep_table(data: dict) -> str:
 
     env = data["environment"]
     lines = [f"{data['settings']['target']} on {env['device_name']} ({env['dtype']}), {versions(env)}"]
-    if strict_words(env.get("strict")):  # whether 16-bit verify passes were padded, or needed no padding
-        lines.append(strict_words(env.get("strict")))
+    if words := strict_words(env.get("strict")):  # whether 16-bit verify passes were padded, or needed no padding
+        lines.append(words)
     lines.append(f"{'drafter':15}{'gamma':>6}{'temp':>6}  {'speedup (min-max)':22}{'accept':>8}{'tok/s base':>12}"
                  f"{'tok/s spec':>12}  identical")  # fmt: skip
     for c in data["cells"]:

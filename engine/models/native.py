@@ -326,13 +326,11 @@ class Stack:
             norms = [layer[name].detach().to(torch.float32).contiguous() for name in ("input_norm", "post_norm")]
             self._kept += norms
             out.input_norm, out.post_norm = norms[0].data_ptr(), norms[1].data_ptr()
-            if layer.get("hidden_norm") is not None:
-                self._kept.append(layer["hidden_norm"].detach().to(torch.float32).contiguous())
-                out.hidden_norm, out.normed_residual = self._kept[-1].data_ptr(), int(layer["normed_residual"])
-            for name in ("q_norm", "k_norm"):
+            for name in ("hidden_norm", "q_norm", "k_norm"):  # a head's, where it has them
                 if layer.get(name) is not None:
                     self._kept.append(layer[name].detach().to(torch.float32).contiguous())
                     setattr(out, name, self._kept[-1].data_ptr())
+            out.normed_residual = int(layer.get("normed_residual", False))
             for name in ("qkv", "o", "gate_up", "down"):
                 rows = layer[name]
                 setattr(out, name, rows.weight.data_ptr())
