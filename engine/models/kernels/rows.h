@@ -66,6 +66,21 @@ static inline vf fused(vf w, vf x, vf acc) {
 #endif
 }
 static inline vf load(const float *p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+// *p in every lane, broadcast from memory: a load alone. `vf{} + *p` added a zero first (the compiler may not drop it:
+// -0 + 0 is +0) and broadcast from a register, two more instructions per row and k, the broadcast a shuffle on one of
+// AMD Zen 3's two FMA ports. The sums' bits are the same: a sum that starts at +0 never holds -0, so the sign of a zero
+// input is never seen.
+static inline vf splat(const float *p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_set1_ps(*p);
+#elif defined(__AVX__)
+    return (vf)_mm256_broadcast_ss(p);
+#else
+    vf v;
+    for (int l = 0; l < V; l++) v[l] = *p;
+    return v;
+#endif
+}
 static inline vf load(const bf16 *p) {
     vh h;
     std::memcpy(&h, p, sizeof h);
@@ -287,14 +302,15 @@ static inline void tile(const float *x, const W *wt, const float *b, Y *y, int r
 #pragma GCC unroll 16
         for (int r = 0; r < R; r++) acc[j][r] = vf{};
     const float *xs = x + (size_t)r0 * k;
-    // bfloat16 tiles of 2 vectors (AVX2's): each row's input broadcast just before its two FMAs, not all of them
-    // first, or AVX2's 16 registers run short at 5 rows and sums spill
-    constexpr bool late = std::is_same_v<W, bf16> && NB == 2;
+    // AVX2's 16 registers: each row's input broadcast just before its FMAs, not all of them first, or they run short
+    // at 5 rows and sums spill (float32 tiles of 2 vectors spilled one sum at every k: a 5-row product from the
+    // caches ran at 24 GB/s, 58 late, on the 2-core AMD EPYC (AVX2); bfloat16's 5 rows from memory at 15, 20 late)
+    constexpr bool late = REGS == 16;
     for (int i = 0; i < k; i++) {
         vf xb[R];
         if constexpr (!late)
 #pragma GCC unroll 16
-            for (int r = 0; r < R; r++) xb[r] = vf{} + xs[(size_t)r * k + i];
+            for (int r = 0; r < R; r++) xb[r] = splat(xs + (size_t)r * k + i);
         const W *wi = wt + (size_t)i * NB * V;
         // the weight's lines 8 KiB ahead asked for now: on the 2-core AMD EPYC (AVX512, BF16) the hardware
         // prefetchers alone left a one-row product at 25 GB/s where memory reads 35, non-temporal prefetches (0)
@@ -322,19 +338,29 @@ static inline void tile(const float *x, const W *wt, const float *b, Y *y, int r
                 asm("" : "+v"(w0), "+v"(w1));
 #pragma GCC unroll 16
                 for (int r = 0; r < R; r++) {
-                    vf xr = late ? vf{} + xs[(size_t)r * k + i] : xb[r];
+                    vf xr = late ? splat(xs + (size_t)r * k + i) : xb[r];
                     acc[j][r] = fused(w0, xr, acc[j][r]);
                     acc[j + 1][r] = fused(w1, xr, acc[j + 1][r]);
                 }
             }
         } else {
+            // held in registers: folded into each FMA, a weight vector was loaded R times (load-port bound)
+            vf wv[NB];
 #pragma GCC unroll 16
             for (int j = 0; j < NB; j++) {
-                vf wv = load(wi + j * V);
-                asm("" : "+v"(wv));  // held in a register: folded into each FMA, it was loaded R times (load-port bound)
+                wv[j] = load(wi + j * V);
+                asm("" : "+v"(wv[j]));
+                if constexpr (!late)  // AVX512's 32 registers: a weight vector at a time, over the inputs in registers
 #pragma GCC unroll 16
-                for (int r = 0; r < R; r++) acc[j][r] = fused(wv, xb[r], acc[j][r]);
+                    for (int r = 0; r < R; r++) acc[j][r] = fused(wv[j], xb[r], acc[j][r]);
             }
+            if constexpr (late)  // AVX2's: the tile's weight vectors in registers, over each row's input in turn
+#pragma GCC unroll 16
+                for (int r = 0; r < R; r++) {
+                    const vf xr = splat(xs + (size_t)r * k + i);
+#pragma GCC unroll 16
+                    for (int j = 0; j < NB; j++) acc[j][r] = fused(wv[j], xr, acc[j][r]);
+                }
         }
     }
     // unrolled like the loops above, so that acc lives in registers: indexed at run time here, GCC kept it in memory
