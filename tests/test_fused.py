@@ -272,3 +272,23 @@ def test_a_fused_head_drafts_what_its_torch_layers_draft(llama_pair, kind, topk)
         head.stack = stack
         drafts[fused] = (draft.tokens, getattr(draft, "parents", None))
     assert drafts[True] == drafts[False] and len(drafts[True][0]) >= 4
+
+
+@DTYPES
+def test_a_heads_one_call_reads_rotary_and_its_final_norm_as_its_torch_layers_compute_them(dtype):
+    """The one call's cos and sin come from a table of the first positions (grown by doubling, read by slice or by a
+    tree's positions): the values `rotary` gives, rotate_half's sign on sin, also past the first table. Its final norm,
+    our kernel's, is the head's RMSNorm to float32 rounding, each value of the model's dtype."""
+    _, head = fused_head(dtype)
+    half = head.config.head_dim // 2
+    for start, rows, positions in [(0, 1, None), (37, 5, None), (0, 0, torch.tensor([40, 41, 41, 42, 40])),
+                                   (300, 3, None), (0, 0, torch.tensor([700, 3, 511]))]:  # fmt: skip
+        cos, sin = head._kernel_rotary(start, rows, dtype, positions)
+        want_cos, want_sin = (t[0, 0].float() for t in head.rotary(start, rows, dtype, positions))
+        assert torch.equal(cos, want_cos) and cos.is_contiguous() and sin.is_contiguous()
+        assert torch.equal(sin, torch.cat((-want_sin[:, :half], want_sin[:, half:]), -1))
+    assert head._table[0].shape[0] == 1024  # grown twice, by doubling
+    x = torch.randn(3, head.config.hidden_size).to(dtype)
+    ours = head.stack.norm(x.float().contiguous(), head._final_norm, head.config.rms_norm_eps)
+    assert torch.equal(ours, ours.to(dtype).float())  # values of the model's dtype
+    torch.testing.assert_close(ours.to(dtype), head.norm(x), rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)

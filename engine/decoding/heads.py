@@ -169,6 +169,14 @@ class HeadCache:
         positions = torch.empty(capacity, dtype=torch.long, device=self.device)
         positions[: self.length] = self.positions[: self.length]
         self.positions, self.capacity = positions, capacity
+        self._pointers = None
+
+    def pointers(self):
+        """Each layer's keys and values as ctypes arrays of pointers, for the layers' one call (native.Stack)."""
+        if self._pointers is None:
+            array = ctypes.c_void_p * len(self.keys)
+            self._pointers = (array(*(t.data_ptr() for t in self.keys)), array(*(t.data_ptr() for t in self.values)))
+        return self._pointers
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
@@ -344,6 +352,7 @@ class Head(nn.Module):
         self.register_buffer("inv_freq", None, persistent=False)
         self.reset_rotary()
         self.stack = None  # the layers as one call of our kernels, where join made them so
+        self._table = None  # _kernel_rotary's cos and sin of the first positions
 
     def join(self, join, stack) -> bool:
         """Once the linear layers have the target's forms (engine.models.cpu.like_target), make each layer's q/k/v
@@ -382,13 +391,19 @@ class Head(nn.Module):
         shape = {"hidden": c.hidden_size, "heads": c.num_heads, "head_dim": c.head_dim, "kv_heads": c.num_kv_heads,
                  "intermediate": c.intermediate_size, "eps": c.rms_norm_eps, "scale": c.head_dim**-0.5}  # fmt: skip
         self.stack = stack(specs, shape, linears[0]._own.lib)
+        self._final_norm = self.norm.weight.detach().to(torch.float32).contiguous()
+        self._table = None
         return True
 
     def _linears(self) -> list:
-        """Every layer's linear layers, as they are now (like_target and its timing swap them)."""
-        return [linear for layer in self.layers for linear in (
-            layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-            layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]  # fmt: skip
+        """Every layer's linear layers, as they are now (like_target and its timing swap them), read from the
+        modules' dictionaries: through nn.Module's attribute lookups, asking `fused` cost a draft step ~40 us."""
+        linears = []
+        for layer in self.layers:
+            attn, mlp = layer._modules["self_attn"]._modules, layer._modules["mlp"]._modules
+            linears += [attn["q_proj"], attn["k_proj"], attn["v_proj"], attn["o_proj"], mlp["gate_proj"],
+                        mlp["up_proj"], mlp["down_proj"]]  # fmt: skip
+        return linears
 
     def fused(self, rows: int) -> bool:
         """Whether the layers' products over `rows` rows run as one call of our kernels (Head.join): every product's
@@ -404,6 +419,7 @@ class Head(nn.Module):
         with torch.device("cpu"):
             inv_freq, self.rotary_scale = self.config.rotary()
         self.inv_freq = inv_freq if device.type == "meta" else inv_freq.to(device)
+        self._table = None
 
     def rotary(self, start: int, rows: int, dtype, positions: torch.Tensor | None = None):
         """cos and sin (1, 1, rows, D) of positions start.., or of `positions` (rows,) when given."""
@@ -413,6 +429,23 @@ class Head(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos() * self.rotary_scale, emb.sin() * self.rotary_scale
         return cos.to(dtype)[None, None], sin.to(dtype)[None, None]  # (1, 1, rows, D)
+
+    def _kernel_rotary(self, start: int, rows: int, dtype, positions: torch.Tensor | None = None):
+        """`rotary` as the layers' one call takes it: cos and sin (rows, D) in float32, rotate_half's sign moved onto
+        sin (the same products), of positions start.. or of `positions` (rows,), read from a table of the first
+        positions that `rotary` computes and that grows by doubling. Made at each step, they cost an EAGLE-3 chain
+        step ~15 torch operations, ~0.1 ms."""
+        end = start + rows if positions is None else int(positions.max()) + 1
+        if self._table is None or self._table[0].shape[0] < end or self._table[2] != dtype:
+            size = max(256, 1 << (end - 1).bit_length())
+            cos, sin = (t[0, 0].to(torch.float32, copy=True).contiguous() for t in self.rotary(0, size, dtype))
+            half = sin.shape[-1] // 2
+            sin[:, :half] = -sin[:, :half]
+            self._table = (cos, sin, dtype)
+        cos, sin, _ = self._table
+        if positions is None:
+            return cos[start : start + rows], sin[start : start + rows]
+        return cos.index_select(0, positions), sin.index_select(0, positions)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """(rows, n x target hidden) -> (rows, hidden): the target's layers fused into one feature."""
@@ -491,43 +524,43 @@ class Head(nn.Module):
         head's own earlier output. Returns (the state to feed back (rows, hidden), draft-vocab logits (rows, Vd)).
         Rows of a draft tree give their `positions` (rows,) and `mask` (rows, cache rows after them): which rows
         each sees (its ancestors'), where a chain's rows follow each other causally."""
-        c, rows, past = self.config, tokens.shape[0], cache.length
+        c, rows, past, given = self.config, tokens.shape[0], cache.length, positions
         cache.make_room(past + rows)
         if positions is None:
             positions = torch.arange(past, past + rows, device=tokens.device)
         cache.positions[past : past + rows] = positions
         k_pos = cache.positions[: past + rows]
-        cos, sin = self.rotary(past, rows, x.dtype, positions)
         e, h = self.embed_tokens(tokens)[None], x[None]  # (1, rows, H)
         seen = [visible(positions, k_pos, True, c.window(i), mask) for i in range(c.num_layers)]
         if self.fused(rows):
-            h = self._run_stack(e[0], x, cache, past, cos, sin, seen)[None]
-        else:
-            for i, layer in enumerate(self.layers):
-                residual, inp = self.layer_input(i, e, h)
-                q = layer.query(inp, cos, sin)
-                cache.keys[i][:, :, past : past + rows], cache.values[i][:, :, past : past + rows] = layer.keys_values(
-                    inp, cos, sin)  # fmt: skip
-                h = layer.finish(residual, attend(q, cache.keys[i][:, :, : past + rows],
-                                                  cache.values[i][:, :, : past + rows], seen[i]))  # fmt: skip
+            rotary = self._kernel_rotary(past, rows, x.dtype, given)
+            h = self._run_stack(e[0], x, cache, past, rotary, seen)
+            cache.length = past + rows
+            out = self.stack.norm(h, self._final_norm, c.rms_norm_eps).to(x.dtype)  # the final norm, as output's
+            return (out if c.norm_output else h.to(x.dtype)), self.logits(out)
+        cos, sin = self.rotary(past, rows, x.dtype, positions)
+        for i, layer in enumerate(self.layers):
+            residual, inp = self.layer_input(i, e, h)
+            q = layer.query(inp, cos, sin)
+            cache.keys[i][:, :, past : past + rows], cache.values[i][:, :, past : past + rows] = layer.keys_values(
+                inp, cos, sin)  # fmt: skip
+            h = layer.finish(residual, attend(q, cache.keys[i][:, :, : past + rows],
+                                              cache.values[i][:, :, : past + rows], seen[i]))  # fmt: skip
         cache.length = past + rows
         state, logits = self.output(h[0])
         return state, logits
 
-    def _run_stack(self, embedded, x, cache: HeadCache, past: int, cos, sin, masks: list,
+    def _run_stack(self, embedded, x, cache: HeadCache, past: int, rotary, masks: list,
                    context: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """The layers as calls of our kernels (one per stretch of layers that see the same keys): x (rows, H) in, the
-        last layer's output (rows, H) out; `eagle3`'s with the rows' token embeddings (rows, H), `dflash`'s with the
-        context rows (C, H) whose keys and values come first; masks: each layer's `visible` keys, (rows, past + C +
-        rows), or None (causal)."""
+        last layer's output (rows, H) out, in float32 (values of x's dtype); `eagle3`'s with the rows' token
+        embeddings (rows, H), `dflash`'s with the context rows (C, H) whose keys and values come first; rotary: cos
+        and sin of the context rows and rows (`_kernel_rotary`); masks: each layer's `visible` keys, (rows, past + C
+        + rows), or None (causal)."""
         h = x.to(torch.float32, copy=True).contiguous()  # the kernel keeps the residual stream in float32
         embedded = None if embedded is None else embedded.to(torch.float32).contiguous()
         context = None if context is None else context.to(torch.float32).contiguous()
-        half = cos.shape[-1] // 2
-        cos, sin = cos[0, 0].to(torch.float32).contiguous(), sin[0, 0].to(torch.float32, copy=True).contiguous()
-        sin[:, :half] = -sin[:, :half]  # rotate_half's sign moved onto sin, as the kernel takes it: the same products
-        pointers = ctypes.c_void_p * len(cache.keys)
-        keys, values = pointers(*(t.data_ptr() for t in cache.keys)), pointers(*(t.data_ptr() for t in cache.values))
+        (cos, sin), (keys, values) = rotary, cache.pointers()
 
         def same(a, b) -> bool:
             return a is b or (a is not None and b is not None and torch.equal(a, b))
@@ -538,7 +571,7 @@ class Head(nn.Module):
                 mask = None if masks[start] is None else masks[start].to(torch.uint8).contiguous()
                 self.stack(h, start, stop, past, cos, sin, mask, keys, values, cache.capacity, embedded, context)
                 start = stop
-        return h.to(x.dtype)
+        return h
 
     def dflash(self, context: torch.Tensor, block: torch.Tensor, cache: HeadCache) -> torch.Tensor:
         """One DFlash block: context (rows, features) of the positions after what `cache` holds, then the block's
@@ -551,16 +584,17 @@ class Head(nn.Module):
         cache.positions[past:total] = positions
         k_pos, q_pos = cache.positions[:total], positions[rows:]
         ctx = self.fuse(context)[None]  # (1, rows, H): keys and values come straight from it in every layer
-        cos, sin = self.rotary(past, rows + size, ctx.dtype)
         h = self.embed_tokens(block)[None]  # (1, B, H)
         if self.fused(size) and self.fused(rows + size):  # the kernels' products run over both sizes
             every, seen = torch.ones(size, total, dtype=torch.bool, device=block.device), []
             for i in range(c.num_layers):  # the kernel reads None as causal: a non-causal block sees every key
                 mask = visible(q_pos, k_pos, c.block_causal(i), c.window(i))
                 seen.append(every if mask is None and not c.block_causal(i) else mask)
-            h = self._run_stack(None, h[0], cache, past, cos, sin, seen, ctx[0])
+            rotary = self._kernel_rotary(past, rows + size, ctx.dtype)
+            h = self._run_stack(None, h[0], cache, past, rotary, seen, ctx[0])
             cache.length = past + rows
-            return self.norm(h)
+            return self.stack.norm(h, self._final_norm, c.rms_norm_eps).to(ctx.dtype)  # the final norm, as norm's
+        cos, sin = self.rotary(past, rows + size, ctx.dtype)
         for i, layer in enumerate(self.layers):
             inp, taps = layer.input_layernorm(h), None
             if c.conv_kernel_size:  # DFlash2: the block rows convolved before attention (the context is not)

@@ -161,6 +161,8 @@ def library(cpu: str):
                 kernel.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 4 + [
                     ctypes.c_int] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2  # fmt: skip
                 kernel.restype = None
+            lib.norm_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int]
+            lib.norm_rows.restype = None
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
             lib, why = None, f"not built: {error}"
     _loaded.update(lib=lib, why=why, name=name)
@@ -317,7 +319,7 @@ class Stack:
     DFlash head's layers their per-head "q_norm" and "k_norm". Holds references to every tensor it points to."""
 
     def __init__(self, layers: list[dict], shape: dict, lib):
-        self.dtype = layers[0]["qkv"].weight_dtype
+        self.dtype, self.lib = layers[0]["qkv"].weight_dtype, lib
         self.kernel = lib.layers_bf16 if self.dtype == torch.bfloat16 else lib.layers_f32
         self.count, self.hidden, self.head_dim = len(layers), shape["hidden"], shape["head_dim"]
         self._kept = []
@@ -351,3 +353,11 @@ class Stack:
         self.kernel(self.layers, first, last, ctypes.byref(self.shape), x.data_ptr(), pointer(embedded),
                     pointer(context), 0 if context is None else context.shape[0], x.shape[0], past, cos.data_ptr(),
                     sin.data_ptr(), pointer(mask), keys, values, capacity, torch.get_num_threads())  # fmt: skip
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """LlamaRMSNorm of x's rows ([rows, hidden] float32, contiguous) by `weight` (float32, contiguous), as the
+        layers' norms compute it: float32 holding the model's dtype's values."""
+        out = torch.empty_like(x)
+        self.lib.norm_rows(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
+                           int(self.dtype == torch.bfloat16))  # fmt: skip
+        return out

@@ -256,3 +256,13 @@ extern "C" void layers_bf16(const Layer *stack, int first, int last, const Shape
     layers<bf16>(stack, first, last, *s, x, embedded, context, C, rows, past, cos, sin, mask, keys, values, capacity,
                  threads);
 }
+
+// LlamaRMSNorm of each of `rows` rows of x [rows, n] into out, as a layer's norms compute it (rounded to bfloat16 where
+// `sixteen`): a draft head's final norm after its layers' call, where the norm's ~8 torch operations cost an EAGLE-3
+// chain step more than the products of a small layer
+extern "C" void norm_rows(const float *x, const float *weight, float *out, int rows, int n, float eps, int sixteen) {
+    for (int r = 0; r < rows; r++) {
+        if (sixteen) norm<bf16>(x + (size_t)r * n, weight, out + (size_t)r * n, n, eps);
+        else norm<float>(x + (size_t)r * n, weight, out + (size_t)r * n, n, eps);
+    }
+}
