@@ -32,7 +32,6 @@ apart from the model files.
 
 from __future__ import annotations
 
-import ctypes
 import math
 from dataclasses import dataclass, field
 
@@ -43,6 +42,7 @@ from torch import nn
 from engine.decoding.drafters import Draft, Drafter
 from engine.decoding.sampling import SamplingConfig, logits_to_probs, sample
 from engine.decoding.tree import reindex, select
+from engine.models import native
 from engine.settings import MAX_GAMMA
 
 
@@ -153,7 +153,7 @@ class HeadCache:
         self.keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.positions = torch.empty(0, dtype=torch.long, device=device)
-        self.length, self.capacity = 0, 0
+        self.length, self.capacity, self._pointers = 0, 0, None
         self.make_room(capacity)
 
     def make_room(self, length: int) -> None:
@@ -174,8 +174,7 @@ class HeadCache:
     def pointers(self):
         """Each layer's keys and values as ctypes arrays of pointers, for the layers' one call (native.Stack)."""
         if self._pointers is None:
-            array = ctypes.c_void_p * len(self.keys)
-            self._pointers = (array(*(t.data_ptr() for t in self.keys)), array(*(t.data_ptr() for t in self.values)))
+            self._pointers = native.cache_pointers(self.keys, self.values)
         return self._pointers
 
     def crop(self, length: int) -> None:
@@ -513,9 +512,10 @@ class Head(nn.Module):
             selector.predecessor_codebook.dtype)  # fmt: skip
         return candidates, values + (context[None] * selector.successor_codebook[candidates]).sum(-1).to(values.dtype)
 
-    def output(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last layer's states -> (the state fed back at the next position, draft-vocab logits)."""
-        out = self.norm(h)
+    def output(self, h: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer's states -> (the state fed back at the next position, draft-vocab logits); `out`: their
+        final norm where it was computed already (the one call's, in our kernel)."""
+        out = self.norm(h) if out is None else out
         return (out if self.config.norm_output else h), self.logits(out)
 
     def eagle3(self, tokens: torch.Tensor, x: torch.Tensor, cache: HeadCache, positions: torch.Tensor | None = None,
@@ -536,8 +536,7 @@ class Head(nn.Module):
             rotary = self._kernel_rotary(past, rows, x.dtype, given)
             h = self._run_stack(e[0], x, cache, past, rotary, seen)
             cache.length = past + rows
-            out = self.stack.norm(h, self._final_norm, c.rms_norm_eps).to(x.dtype)  # the final norm, as output's
-            return (out if c.norm_output else h.to(x.dtype)), self.logits(out)
+            return self.output(h.to(x.dtype), self.stack.norm(h, self._final_norm, c.rms_norm_eps).to(x.dtype))
         cos, sin = self.rotary(past, rows, x.dtype, positions)
         for i, layer in enumerate(self.layers):
             residual, inp = self.layer_input(i, e, h)

@@ -32,13 +32,13 @@ strict mode's static cache, compiled passes) the model's own forward runs.
 
 from __future__ import annotations
 
-import ctypes
 import os
 
 import torch
 import torch.nn.functional as F
 
 from engine.decoding.tree import layout
+from engine.models import native
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
@@ -108,8 +108,7 @@ class LeanCache:
     def pointers(self):
         """Each layer's keys and values as ctypes arrays of pointers, for the fused pass (native.Stack)."""
         if self._pointers is None:
-            array = ctypes.c_void_p * self.layers
-            self._pointers = (array(*(t.data_ptr() for t in self.keys)), array(*(t.data_ptr() for t in self.values)))
+            self._pointers = native.cache_pointers(self.keys, self.values)
         return self._pointers
 
     def make_room(self, length: int) -> None:
