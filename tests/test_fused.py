@@ -15,7 +15,23 @@ from tests.test_engine import PROMPTS, avx2_build, hf_generate, own_kernel, prom
 from tests.test_lean import PASSES, lean_copy, tiny_qwen2
 from tests.test_tree import PARENTS, TOKENS
 
-BUILDS = pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2], ids=["llama-gqa", "qwen2-bias"])
+
+def wide_groups():
+    """Six query heads to a key/value head: an attention task takes at most 4 heads of a group (kernels/layers.cpp),
+    so each group runs as two tasks."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=384, hidden_size=384, intermediate_size=128, num_hidden_layers=2, num_attention_heads=12,
+        num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None, eos_token_id=1, pad_token_id=0,
+        initializer_range=0.08,  # tiny_llama's 0.2 scaled to the wider hidden size: activations of the same size
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+BUILDS = pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2, wide_groups],
+                                 ids=["llama-gqa", "qwen2-bias", "llama-6-heads-a-group"])  # fmt: skip
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 
 
