@@ -173,6 +173,19 @@ static void attend(const float *const *q, float *const *a, const W *k, const W *
     }
     float o[G][512];  // each value's sum over the keys in order, V values of every head at a time in registers
     int i = 0;
+    for (; i + 2 * V <= D; i += 2 * V) {  // two vectors of each head's values at a time: 2G sums in flight
+        vf acc[G][2] = {};
+        for (int j = 0; j < end; j++) {
+            if (sees && !sees[j]) continue;
+            const vf value[2] = {load(v + (size_t)j * D + i), load(v + (size_t)j * D + i + V)};
+            for (int g = 0; g < G; g++) {
+                const vf p = splat(score + g * end + j);
+                acc[g][0] = fused(p, value[0], acc[g][0]);
+                acc[g][1] = fused(p, value[1], acc[g][1]);
+            }
+        }
+        for (int g = 0; g < G; g++) store(o[g] + i, acc[g][0]), store(o[g] + i + V, acc[g][1]);
+    }
     for (; i + V <= D; i += V) {
         vf acc[G] = {};
         for (int j = 0; j < end; j++) {
