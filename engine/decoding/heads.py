@@ -40,9 +40,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.decoding.drafters import Draft, Drafter
+from engine.decoding.lean import cache_pointers
 from engine.decoding.sampling import SamplingConfig, logits_to_probs, sample
 from engine.decoding.tree import reindex, select
-from engine.models import native
 from engine.settings import MAX_GAMMA
 
 
@@ -174,7 +174,7 @@ class HeadCache:
     def pointers(self):
         """Each layer's keys and values as ctypes arrays of pointers, for the layers' one call (native.Stack)."""
         if self._pointers is None:
-            self._pointers = native.cache_pointers(self.keys, self.values)
+            self._pointers = cache_pointers(self.keys, self.values)
         return self._pointers
 
     def crop(self, length: int) -> None:

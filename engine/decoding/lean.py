@@ -32,13 +32,13 @@ strict mode's static cache, compiled passes) the model's own forward runs.
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import torch
 import torch.nn.functional as F
 
 from engine.decoding.tree import layout
-from engine.models import native
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 
@@ -108,7 +108,7 @@ class LeanCache:
     def pointers(self):
         """Each layer's keys and values as ctypes arrays of pointers, for the fused pass (native.Stack)."""
         if self._pointers is None:
-            self._pointers = native.cache_pointers(self.keys, self.values)
+            self._pointers = cache_pointers(self.keys, self.values)
         return self._pointers
 
     def make_room(self, length: int) -> None:
@@ -133,6 +133,13 @@ class LeanCache:
             for t in tensors:
                 t[:, :, start : start + len(rows)] = t[:, :, index]
         self.length = start + len(rows)
+
+
+def cache_pointers(keys: list[torch.Tensor], values: list[torch.Tensor]):
+    """Each layer's keys and values as ctypes arrays of pointers, as the layers' one call takes them
+    (engine.models.native.Stack; a cache keeps them until it reallocates): lean's cache and a draft head's."""
+    array = ctypes.c_void_p * len(keys)
+    return array(*(t.data_ptr() for t in keys)), array(*(t.data_ptr() for t in values))
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

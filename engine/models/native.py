@@ -298,13 +298,6 @@ def join(members: list[Rows]) -> Rows | None:
     return joined
 
 
-def cache_pointers(keys: list[torch.Tensor], values: list[torch.Tensor]):
-    """Each layer's keys and values as ctypes arrays of pointers, as `Stack` takes them (a cache keeps them until it
-    reallocates)."""
-    array = ctypes.c_void_p * len(keys)
-    return array(*(t.data_ptr() for t in keys)), array(*(t.data_ptr() for t in values))
-
-
 class _Layer(ctypes.Structure):  # kernels/layers.cpp's Layer
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p)] + [
         field for name in ("qkv", "o", "gate_up", "down")
