@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.decoding.drafters import Draft, Drafter
-from engine.decoding.lean import cache_pointers
+from engine.decoding.lean import RotaryTable, cache_pointers
 from engine.decoding.sampling import SamplingConfig, logits_to_probs, sample
 from engine.decoding.tree import reindex, select
 from engine.settings import MAX_GAMMA
@@ -351,7 +351,7 @@ class Head(nn.Module):
         self.register_buffer("inv_freq", None, persistent=False)
         self.reset_rotary()
         self.stack = None  # the layers as one call of our kernels, where join made them so
-        self._table = None  # _kernel_rotary's cos and sin of the first positions
+        self._table = RotaryTable()  # the layers' one call's cos and sin
 
     def join(self, join, stack) -> bool:
         """Once the linear layers have the target's forms (engine.models.cpu.like_target), make each layer's q/k/v
@@ -391,7 +391,7 @@ class Head(nn.Module):
                  "intermediate": c.intermediate_size, "eps": c.rms_norm_eps, "scale": c.head_dim**-0.5}  # fmt: skip
         self.stack = stack(specs, shape, linears[0]._own.lib)
         self._final_norm = self.norm.weight.detach().to(torch.float32).contiguous()
-        self._table = None
+        self._table = RotaryTable()
         return True
 
     def _linears(self) -> list:
@@ -418,7 +418,7 @@ class Head(nn.Module):
         with torch.device("cpu"):
             inv_freq, self.rotary_scale = self.config.rotary()
         self.inv_freq = inv_freq if device.type == "meta" else inv_freq.to(device)
-        self._table = None
+        self._table = RotaryTable()
 
     def rotary(self, start: int, rows: int, dtype, positions: torch.Tensor | None = None):
         """cos and sin (1, 1, rows, D) of positions start.., or of `positions` (rows,) when given."""
@@ -431,20 +431,14 @@ class Head(nn.Module):
 
     def _kernel_rotary(self, start: int, rows: int, dtype, positions: torch.Tensor | None = None):
         """`rotary` as the layers' one call takes it: cos and sin (rows, D) in float32, rotate_half's sign moved onto
-        sin (the same products), of positions start.. or of `positions` (rows,), read from a table of the first
-        positions that `rotary` computes and that grows by doubling. Made at each step, they cost an EAGLE-3 chain
-        step ~15 torch operations, ~0.1 ms."""
-        end = start + rows if positions is None else int(positions.max()) + 1
-        if self._table is None or self._table[0].shape[0] < end or self._table[2] != dtype:
-            size = max(256, 1 << (end - 1).bit_length())
-            cos, sin = (t[0, 0].to(torch.float32, copy=True).contiguous() for t in self.rotary(0, size, dtype))
-            half = sin.shape[-1] // 2
-            sin[:, :half] = -sin[:, :half]
-            self._table = (cos, sin, dtype)
-        cos, sin, _ = self._table
-        if positions is None:
-            return cos[start : start + rows], sin[start : start + rows]
-        return cos.index_select(0, positions), sin.index_select(0, positions)
+        sin, of positions start.. or of `positions` (rows,), from the head's RotaryTable."""
+        return self._table(self._signed_rotary, start, rows, dtype, positions)
+
+    def _signed_rotary(self, positions: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rotary`'s (rows, D) cos and sin of float32 `positions`, sin's first half negated (the same products)."""
+        cos, sin = (t[0, 0] for t in self.rotary(0, 0, dtype, positions.to(self.inv_freq.device)))
+        half = sin.shape[-1] // 2
+        return cos, torch.cat((-sin[:, :half], sin[:, half:]), -1)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """(rows, n x target hidden) -> (rows, hidden): the target's layers fused into one feature."""

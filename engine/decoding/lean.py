@@ -142,6 +142,29 @@ def cache_pointers(keys: list[torch.Tensor], values: list[torch.Tensor]):
     return array(*(t.data_ptr() for t in keys)), array(*(t.data_ptr() for t in values))
 
 
+class RotaryTable:
+    """cos and the signed sin (rotate_half's sign moved onto sin: the same products) of positions, as the layers' one
+    call of kernels/layers.cpp takes them: (rows, D) float32 holding values of the model's dtype, read from a table of
+    the first positions that grows by doubling. Made at each pass they cost ~15 torch operations, ~0.1 ms; lean's
+    fused pass and a draft head's keep one each."""
+
+    def __init__(self):
+        self.cos = self.sin = self.dtype = None
+
+    def __call__(self, fill, start: int, rows: int, dtype, positions: torch.Tensor | None = None):
+        """Of positions start.. or of `positions` ((rows,) long); `fill(positions, dtype)` makes the (n, D) cos and
+        signed sin of float32 positions when the table must grow or the dtype changed."""
+        end = start + rows if positions is None else int(positions.max()) + 1
+        if self.cos is None or self.cos.shape[0] < end or self.dtype != dtype:
+            size = max(256, 1 << (end - 1).bit_length())
+            cos, sin = fill(torch.arange(size, dtype=torch.float32), dtype)
+            self.cos, self.sin = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
+            self.dtype = dtype
+        if positions is None:
+            return self.cos[start:end], self.sin[start:end]
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+
+
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm: in float32, scaled in the input's dtype."""
     if x.dtype == torch.float32:
@@ -168,8 +191,8 @@ class LeanDecoder(torch.nn.Module):
         self.joined: list[tuple] = []  # per layer: (q/k/v, gate/up) as one call each, or None (see join)
         self.stack = None  # every layer as one call of our kernels, where they all run ours (see join)
         self._roles: list = []  # a layer 0 linear of each weight role: which form a pass of n rows runs
-        self._table = None  # _kernel_rotary's cos and sin of the first positions
-        self._final_norm = None  # the final norm's weight in float32, for the kernel
+        self._table = RotaryTable()  # the fused pass's cos and sin
+        self._final_norm = None  # the final norm's weight in float32, for the kernel (set with the stack)
 
     def join(self, join, stack=None) -> int:
         """Once the linear layers have their forms, make each layer's q, k and v projections one call of our kernel,
@@ -204,6 +227,7 @@ class LeanDecoder(torch.nn.Module):
                  "kv_heads": config.num_key_value_heads, "intermediate": layers[0].mlp.down_proj.in_features,
                  "eps": self.eps, "scale": self.scaling}  # fmt: skip
         self._roles = list(first)
+        self._final_norm = model.model.norm.weight.detach().to(torch.float32).contiguous()
         return stack(specs, shape, lib)
 
     def fused_words(self, most: int) -> str:
@@ -335,8 +359,6 @@ class LeanDecoder(torch.nn.Module):
         cache.length = total
         if -1 in layers:  # runtime.PRE_NORM: the last layer's output before the final norm (an MTP head's feature)
             taken[-1] = h.to(dtype)
-        if self._final_norm is None:
-            self._final_norm = model.model.norm.weight.detach().to(torch.float32).contiguous()
         if count in layers:  # transformers' last hidden state is after the final norm
             taken[count] = _rms(h.to(dtype), model.model.norm.weight, self.eps)
         h = h[-keep:].contiguous() if keep else h
@@ -344,18 +366,8 @@ class LeanDecoder(torch.nn.Module):
         return (logits, torch.cat([taken[i] for i in layers], -1)) if layers else logits
 
     def _kernel_rotary(self, start: int, rows: int, dtype, positions: torch.Tensor | None = None):
-        """cos and the signed sin of positions start.. (or of `positions`, (rows,) long) as the layers' one call takes
-        them, (rows, D) float32 holding values of the model's dtype, read from a table of the first positions that
-        `_rotary` computes and that grows by doubling."""
-        end = start + rows if positions is None else int(positions.max()) + 1
-        if self._table is None or self._table[0].shape[0] < end or self._table[2] != dtype:
-            size = max(256, 1 << (end - 1).bit_length())
-            cos, sin = self._rotary(torch.arange(size, dtype=torch.float32), dtype)
-            self._table = (cos[0, 0].to(torch.float32).contiguous(), sin[0, 0].to(torch.float32).contiguous(), dtype)
-        cos, sin, _ = self._table
-        if positions is None:
-            return cos[start:end], sin[start:end]
-        return cos.index_select(0, positions), sin.index_select(0, positions)
+        """cos and the signed sin of positions start.. (or of `positions`) as the layers' one call takes them."""
+        return self._table(lambda p, d: (t[0, 0] for t in self._rotary(p, d)), start, rows, dtype, positions)
 
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and the signed sin of `positions` (float32), as LlamaRotaryEmbedding computes them."""

@@ -138,7 +138,8 @@ template <typename W> static void rotate(float *x, const float *cos, const float
 // row sees (`sees`, or every key before `end`), into a[0..G): each head's scores, softmax and weighted sum of values
 // exactly as for that head alone, in one order whatever the rows of the pass (the sums' own lanes, FMAs written out),
 // but each key and value read once for the G heads, and G sums in flight: one head at a time, each score waited on
-// its own chain of FMAs and lane sum (~60 cycles a key on the AVX2 EPYC). score: G * end floats of room.
+// its own chain of FMAs and lane sum (some 60 cycles a key on the AVX2 EPYC, counted from the instructions, not
+// timed). score: G * end floats of room.
 template <typename W, int G>
 static void attend(const float *const *q, float *const *a, const W *k, const W *v, const uint8_t *sees, int end,
                    int D, float scale, float *score) {
@@ -171,7 +172,9 @@ static void attend(const float *const *q, float *const *a, const W *k, const W *
         if (sees && !sees[j]) continue;
         for (int g = 0; g < G; g++) sum[g] += score[g * end + j];
     }
-    float o[G][512];  // each value's sum over the keys in order, V values of every head at a time in registers
+    // each value's sum over the keys in order, in registers: 2V values of every head at a time, then V, then one (the
+    // loops for head sizes that are not a multiple of 2V)
+    float o[G][512];
     int i = 0;
     for (; i + 2 * V <= D; i += 2 * V) {  // two vectors of each head's values at a time: 2G sums in flight
         vf acc[G][2] = {};
