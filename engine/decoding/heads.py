@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.decoding.drafters import Draft, Drafter
-from engine.decoding.lean import RotaryTable, cache_pointers
+from engine.decoding.lean import RotaryTable, cache_pointers, layer_spec
 from engine.decoding.sampling import SamplingConfig, logits_to_probs, sample
 from engine.decoding.tree import reindex, select
 from engine.settings import MAX_GAMMA
@@ -380,8 +380,7 @@ class Head(nn.Module):
             qkv, gate_up = join([a.q_proj, a.k_proj, a.v_proj]), join([m.gate_proj, m.up_proj])
             if qkv is None or gate_up is None:
                 return False
-            spec = {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
-                    "qkv": qkv.rows, "o": a.o_proj._own, "gate_up": gate_up.rows, "down": m.down_proj._own}  # fmt: skip
+            spec = layer_spec(layer, qkv, gate_up)
             if i == 0 and c.eagle:  # EAGLE-3's first layer reads the token's embedding beside the state
                 spec |= {"hidden_norm": layer.hidden_norm.weight, "normed_residual": c.norm_before_residual}
             if c.qk_norm:

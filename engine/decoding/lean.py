@@ -135,6 +135,15 @@ class LeanCache:
         self.length = start + len(rows)
 
 
+def layer_spec(layer, qkv, gate_up) -> dict:
+    """A Llama-family decoder layer as the layers' one call takes it (engine.models.native.Stack): its norms' weights
+    and its products packed for our kernel, q/k/v and gate/up joined (`qkv`, `gate_up`: engine.models.cpu.join's);
+    the target's layers (lean) and a draft head's."""
+    return {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+            "qkv": qkv.rows, "o": layer.self_attn.o_proj._own, "gate_up": gate_up.rows,
+            "down": layer.mlp.down_proj._own}  # fmt: skip
+
+
 def cache_pointers(keys: list[torch.Tensor], values: list[torch.Tensor]):
     """Each layer's keys and values as ctypes arrays of pointers, as the layers' one call takes them
     (engine.models.native.Stack; a cache keeps them until it reallocates): lean's cache and a draft head's."""
@@ -220,9 +229,7 @@ class LeanDecoder(torch.nn.Module):
                 if getattr(ours, "_own", None) is None or (ours.table, ours.pad) != (lead.table, lead.pad):
                     return None
         lib = first[0]._own.lib
-        specs = [{"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
-                  "qkv": qkv.rows, "o": layer.self_attn.o_proj._own, "gate_up": gate_up.rows,
-                  "down": layer.mlp.down_proj._own} for layer, (qkv, gate_up) in zip(layers, self.joined)]  # fmt: skip
+        specs = [layer_spec(layer, qkv, gate_up) for layer, (qkv, gate_up) in zip(layers, self.joined)]
         shape = {"hidden": config.hidden_size, "heads": config.num_attention_heads, "head_dim": self.head_dim,
                  "kv_heads": config.num_key_value_heads, "intermediate": layers[0].mlp.down_proj.in_features,
                  "eps": self.eps, "scale": self.scaling}  # fmt: skip
