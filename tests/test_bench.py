@@ -171,7 +171,24 @@ def test_cli_hf_comparison_writes_valid_json(model_dirs, tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["kind"] == "compare_hf" and data["settings"]["temperature"] == 0.0
     assert set(data["ratios"]) == set(hfcompare.RATIOS)
-    assert "ours_spec_over_hf_assisted" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "ours_spec_over_hf_assisted" in printed and "ours speculative = ours baseline in 1 of 1" in printed
+
+
+def test_the_hf_comparison_says_which_outputs_parted():
+    """One "all identical: NO" hid whether a speculative run parted from its own baseline or the two engines did."""
+    from engine.__main__ import identical_words
+
+    def row(ours: bool, hf: bool, engines: bool) -> dict:
+        return {"identical": dict(zip(hfcompare.PAIRS, (ours, hf, engines)))}
+
+    assert identical_words([row(True, True, True)] * 2).endswith("in 2 of 2: all identical")
+    engines = identical_words([row(True, True, False), row(True, True, True)])
+    assert "ours baseline = HF generate() in 1 of 2" in engines and "each engine lossless" in engines
+    ours = identical_words([row(False, True, True), row(True, True, True)])
+    assert "ours speculative = ours baseline in 1 of 2" in ours and "ours speculative = ours baseline parted" in ours
+    assert "HF assisted" not in ours.split(":", 1)[1].split("parted")[0]
+    assert "draws" in identical_words([row(False, False, False)], temperature=0.8)
 
 
 def test_cli_bench_rejects_a_bad_gamma_list(model_dirs, capsys):
@@ -186,6 +203,7 @@ def test_hf_comparison_reports_every_contender(base, drafter):
     assert set(data["ratios"]) == set(hfcompare.RATIOS)
     for row in data["runs"]:
         assert row["all_identical"]  # greedy: HF and ours agree token for token
+        assert all(row["identical"].values()) and set(row["identical"]) == set(hfcompare.PAIRS)
         assert row["ours_predicted_speedup"] > 0  # both drafters draft on this prompt: alpha and c are measured
     assert data["runs"][0]["order"] != data["runs"][1]["order"]
 
