@@ -810,3 +810,30 @@ def test_a_compiled_pair_compiles_what_its_runs_need_in_the_warm_up_and_says_so(
         assert base.token_ids == spec.token_ids
         assert {name: dict(m.model.compiled_step.first) for name, m in (("t", target), ("d", draft))} == before
     MODELS.clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_weight_of_2_mb_or_more_lies_on_huge_pages_and_gives_the_same_bits(monkeypatch, dtype):
+    """Our kernel streams each packed weight once a pass, and the hardware prefetchers stop at every 4 KB page: a
+    weight of one 2 MB page or more is copied to 2 MB-aligned memory that Linux is asked to back with huge pages
+    (native.on_huge_pages; SPECARENA_HUGE_PAGES=0 leaves it where torch put it). The values and the products' bits are
+    the same either way; a smaller weight stays where it was."""
+    import mmap
+
+    from engine.models import native
+    from engine.models.cpu import cpu_id
+
+    own_kernel()
+    lib = native.library(cpu_id())
+    weight, x = torch.randn(2048, 576).to(dtype), torch.randn(5, 576).to(dtype)  # 4.5 / 2.25 MB
+    moved = native.Rows(weight, None, lib)
+    monkeypatch.setenv("SPECARENA_HUGE_PAGES", "0")
+    kept = native.Rows(weight, None, lib)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
+        assert moved.weight.data_ptr() % native.HUGE == 0
+    assert torch.equal(moved.weight, kept.weight) and moved.weight.is_contiguous()
+    assert torch.equal(moved(x, 5), kept(x, 5)) and torch.equal(moved(x[:1], 1), kept(x[:1], 1))
+    assert torch.equal(torch.cat([moved(x[i : i + 1], 1) for i in range(5)]), moved(x, 5))  # rows round alike
+    monkeypatch.delenv("SPECARENA_HUGE_PAGES")
+    small = torch.randn(64, 576).to(dtype)
+    assert native.on_huge_pages(small) is small

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
+import mmap
 import os
 import shutil
 import subprocess
@@ -240,6 +241,7 @@ class Rows:
             self.weight = padded.reshape(tiles, width, -1, 2).transpose(1, 2).contiguous()
         else:
             self.weight = self._paired(padded.reshape(tiles, width, self.in_features)).transpose(1, 2).contiguous()
+        self.weight = on_huge_pages(self.weight)
         self.bias = None
         if bias is not None:
             self.bias = bias.new_zeros(tiles * width, dtype=torch.float32)
@@ -273,6 +275,31 @@ class Rows:
         self.kernel(flat.data_ptr(), self.weight.data_ptr(), bias, out.data_ptr(), rows, self.in_features,
                     self.out_features, self.blocks, torch.get_num_threads())  # fmt: skip
         return out.reshape(*x.shape[:-1], self.out_features)
+
+
+HUGE = 2 << 20  # a transparent huge page on x86-64
+
+
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` (contiguous) in 2 MB-aligned memory that Linux is asked to back with huge pages (madvise
+    MADV_HUGEPAGE: honoured where transparent huge pages are "always" or "madvise"), or `t` itself where that cannot
+    be had: under 2 MB, off Linux, SPECARENA_HUGE_PAGES=0. The kernel streams each packed weight once per pass, and on
+    4 KB pages the hardware prefetchers stop at every page: on the AMD EPYC (AVX512, BF16) a one-row product over a
+    113 MB bfloat16 weight read 26-29 GB/s from huge pages against 20-24 from 4 KB pages, in turns in one process.
+    Only whole 2 MB stretches get huge pages (a tail stays on 4 KB ones), so no memory is added."""
+    size = t.numel() * t.element_size()
+    if size < HUGE or not hasattr(mmap, "MADV_HUGEPAGE") or os.environ.get("SPECARENA_HUGE_PAGES", "1") == "0":
+        return t
+    try:
+        area = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        area.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return t
+    raw = torch.frombuffer(area, dtype=torch.uint8)  # the tensor keeps the mapping alive
+    start = -raw.data_ptr() % HUGE
+    out = raw[start : start + size].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
 
 
 def join(members: list[Rows]) -> Rows | None:
