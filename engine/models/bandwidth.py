@@ -49,11 +49,12 @@ def measure_bandwidth(device: torch.device, size: int = BUFFER_BYTES) -> float:
     the bound is read from the same kind of memory the passes read: on the AMD EPYC (AVX512, BF16) a product over huge
     pages passed the reduction over 4 KB pages (26-29 GB/s against 23-26, in turns), the reduction itself read about
     the same from either."""
-    buffer = torch.ones(size // 4, dtype=torch.float32, device=device)
-    if buffer.device.type == "cpu":
-        from engine.models.native import on_huge_pages
+    buffer = None
+    if torch.device(device).type == "cpu":
+        from engine.models.native import huge_empty
 
-        buffer = on_huge_pages(buffer)
+        buffer = huge_empty((size // 4,), torch.float32)  # filled once, not made on 4 KB pages and copied
+    buffer = torch.ones(size // 4, dtype=torch.float32, device=device) if buffer is None else buffer.fill_(1.0)
     best = float("inf")
     for round_ in range(REPEATS + 1):
         if device.type == "cuda":

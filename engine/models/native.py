@@ -281,25 +281,30 @@ HUGE = 2 << 20  # a transparent huge page on x86-64
 
 
 def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """A copy of `t` (contiguous) in 2 MB-aligned memory that Linux is asked to back with huge pages (madvise
-    MADV_HUGEPAGE: honoured where transparent huge pages are "always" or "madvise"), or `t` itself where that cannot
-    be had: under 2 MB, off Linux, SPECARENA_HUGE_PAGES=0. The kernel streams each packed weight once per pass, and on
-    4 KB pages the hardware prefetchers stop at every page: on the AMD EPYC (AVX512, BF16) a one-row product over a
-    113 MB bfloat16 weight read 26-29 GB/s from huge pages against 20-24 from 4 KB pages, in turns in one process.
-    Only whole 2 MB stretches get huge pages (a tail stays on 4 KB ones), so no memory is added."""
-    size = t.numel() * t.element_size()
+    """A copy of `t` (contiguous) in 2 MB-aligned memory that Linux is asked to back with huge pages (`huge_empty`),
+    or `t` itself where that cannot be had. The kernel streams each packed weight once per pass, and on 4 KB pages the
+    hardware prefetchers stop at every page: on the AMD EPYC (AVX512, BF16) a one-row product over a 113 MB bfloat16
+    weight read 26-29 GB/s from huge pages against 20-24 from 4 KB pages, in turns in one process."""
+    out = huge_empty(t.shape, t.dtype)
+    return t if out is None else out.copy_(t)
+
+
+def huge_empty(shape, dtype: torch.dtype) -> torch.Tensor | None:
+    """An uninitialised contiguous CPU tensor in 2 MB-aligned memory that Linux is asked to back with huge pages
+    (madvise MADV_HUGEPAGE: honoured where transparent huge pages are "always" or "madvise"), or None where that
+    cannot be had: under 2 MB, off Linux, SPECARENA_HUGE_PAGES=0. Only whole 2 MB stretches get huge pages (a tail
+    stays on 4 KB ones), so no memory is added; the extra 2 MB mapped for the alignment is never touched."""
+    size = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
     if size < HUGE or not hasattr(mmap, "MADV_HUGEPAGE") or os.environ.get("SPECARENA_HUGE_PAGES", "1") == "0":
-        return t
+        return None
     try:
         area = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         area.madvise(mmap.MADV_HUGEPAGE)
     except (OSError, ValueError, TypeError, AttributeError):
-        return t
+        return None
     raw = torch.frombuffer(area, dtype=torch.uint8)  # the tensor keeps the mapping alive
     start = -raw.data_ptr() % HUGE
-    out = raw[start : start + size].view(t.dtype).view(t.shape)
-    out.copy_(t)
-    return out
+    return raw[start : start + size].view(dtype).view(shape)
 
 
 def join(members: list[Rows]) -> Rows | None:
