@@ -837,3 +837,44 @@ def test_a_packed_weight_of_2_mb_or_more_lies_on_huge_pages_and_gives_the_same_b
     monkeypatch.delenv("SPECARENA_HUGE_PAGES")
     small = torch.randn(64, 576).to(dtype)
     assert native.on_huge_pages(small) is small
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_settle_lays_small_packed_weights_one_after_another_on_huge_pages_with_the_same_bits(monkeypatch, dtype):
+    """A weight under 2 MB gets no huge page of its own: native.settle copies a model's packed weights one after
+    another into 2 MB-aligned stretches and points each tensor at its copy in place, so a joined weight's members
+    (views of it, which a Stack is not given) and the CpuLinear forms holding the same tensor follow. Values and
+    products' bits are unchanged; with SPECARENA_HUGE_PAGES=0 nothing moves."""
+    import mmap
+
+    from engine.models import native
+    from engine.models.cpu import cpu_id
+
+    own_kernel()
+    lib = native.library(cpu_id())
+    torch.manual_seed(0)
+    weights = [torch.randn(out, 576).to(dtype) for out in (576, 192, 192, 576, 1536, 1536)]  # q, k, v, o, gate, up
+    packed = [native.Rows(w, None, lib) for w in weights]
+    qkv, gate_up = native.join(packed[:3]), native.join(packed[4:])
+    x = torch.randn(5, 576).to(dtype)
+    before = [rows(x, 5) for rows in (*packed, qkv, gate_up)] + [qkv(x[:1], 1)]
+    member = packed[1].weight  # a view of the joined q/k/v weight, as a CpuLinear's "own" form holds it
+
+    monkeypatch.setenv("SPECARENA_HUGE_PAGES", "0")
+    ptrs = [rows.weight.data_ptr() for rows in (*packed, qkv, gate_up)]
+    assert native.settle([*packed, qkv, gate_up]) == 0
+    assert [rows.weight.data_ptr() for rows in (*packed, qkv, gate_up)] == ptrs
+    monkeypatch.delenv("SPECARENA_HUGE_PAGES")
+
+    moved = native.settle([qkv, packed[3], gate_up])  # as a Stack passes them: the joined weights, not their members
+    if not hasattr(mmap, "MADV_HUGEPAGE"):  # off Linux: nothing to lay out
+        return
+    sizes = [t.numel() * t.element_size() for t in (qkv.weight, packed[3].weight, gate_up.weight)]
+    assert moved == sum(sizes)  # each storage once: the members moved with their joined weight
+    assert qkv.weight.data_ptr() % native.HUGE == 0  # the first weight opens the stretch, the rest follow it
+    assert packed[3].weight.data_ptr() == qkv.weight.data_ptr() + -(-sizes[0] // 64) * 64
+    assert member.data_ptr() == qkv.weight.data_ptr() + 576 * 576 * member.element_size()  # still the joined's view
+    assert packed[1].weight is member and packed[4].weight.data_ptr() == gate_up.weight.data_ptr()
+    after = [rows(x, 5) for rows in (*packed, qkv, gate_up)] + [qkv(x[:1], 1)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert all(torch.equal(rows.unpacked()[0], w) for rows, w in zip(packed, weights))

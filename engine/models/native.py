@@ -294,7 +294,8 @@ def huge_empty(shape, dtype: torch.dtype) -> torch.Tensor | None:
     (madvise MADV_HUGEPAGE: honoured where transparent huge pages are "always" or "madvise"), or None where that
     cannot be had: under 2 MB, off Linux, SPECARENA_HUGE_PAGES=0. Only whole 2 MB stretches get huge pages (a tail
     stays on 4 KB ones), so no memory is added; the extra 2 MB mapped for the alignment is never touched."""
-    size = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    item = torch.empty(0, dtype=dtype).element_size()
+    size = torch.Size(shape).numel() * item
     if size < HUGE or not hasattr(mmap, "MADV_HUGEPAGE") or os.environ.get("SPECARENA_HUGE_PAGES", "1") == "0":
         return None
     try:
@@ -302,9 +303,43 @@ def huge_empty(shape, dtype: torch.dtype) -> torch.Tensor | None:
         area.madvise(mmap.MADV_HUGEPAGE)
     except (OSError, ValueError, TypeError, AttributeError):
         return None
-    raw = torch.frombuffer(area, dtype=torch.uint8)  # the tensor keeps the mapping alive
+    raw = torch.frombuffer(area, dtype=torch.uint8)  # its storage keeps the mapping alive
     start = -raw.data_ptr() % HUGE
-    return raw[start : start + size].view(dtype).view(shape)
+    # set_, not a view of `raw`: a view holds its base, and settle (which re-points tensors) would leave the base
+    # holding this mapping, as a view of views held the LM head's first copy (56 MB in bfloat16) after it moved
+    return torch.empty(0, dtype=dtype).set_(raw.untyped_storage(), start // item, shape)
+
+
+def settle(packed: list[Rows], chunk: int = 64 << 20) -> int:
+    """Lay the weights of `packed` one after another on huge pages (`huge_empty`), in stretches of `chunk` bytes (a
+    weight larger than that gets one of its own), and point each at its copy in place (`Tensor.set_`, so the CpuLinear
+    forms that hold the same tensor follow); a joined weight brings its members' views along. Alone, a weight under 2
+    MB gets no huge page (on_huge_pages), and a bfloat16 layer's q/k/v, o and down of the bundled model are each under
+    2 MB: 70% of its bytes. A Stack settles its layers' weights before it takes their pointers. Returns the bytes moved
+    (0 where huge pages cannot be had: SPECARENA_HUGE_PAGES=0, off Linux); the old copies are freed as they are left."""
+    shared: dict[int, list[torch.Tensor]] = {}
+    for rows in packed:  # a joined weight brings its members' views (join)
+        for t in [rows.weight] + [m.weight for m in getattr(rows, "members", ())]:
+            shared.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    area, used, moved = None, 0, 0
+    for tensors in shared.values():
+        spans = [(t.storage_offset() * t.element_size(), t.numel() * t.element_size()) for t in tensors]
+        low = min(offset for offset, _ in spans)
+        size = max(offset + length for offset, length in spans) - low  # the bytes they read, not the whole mapping
+        if area is None or used + size > area.numel():
+            area, used = huge_empty((max(chunk, size),), torch.uint8), 0
+            if area is None:
+                return moved
+        start = area.storage_offset() + used - low  # where the old storage's byte 0 would lie in the mapping
+        with torch.inference_mode():  # weights made in inference mode may be changed in place only there
+            whole = torch.empty(0, dtype=torch.uint8).set_(tensors[0].untyped_storage())
+            area[used : used + size].copy_(whole[low : low + size])
+            for t in tensors:  # contiguous tensors of one dtype: the offsets are whole elements (64-byte steps)
+                t.set_(area.untyped_storage(), (start + t.storage_offset() * t.element_size()) // t.element_size(),
+                       t.shape, t.stride())  # fmt: skip
+        used += -(-size // 64) * 64  # the next weight on a whole cache line
+        moved += size
+    return moved
 
 
 def join(members: list[Rows]) -> Rows | None:
@@ -326,7 +361,7 @@ def join(members: list[Rows]) -> Rows | None:
         m.weight, m.blocks = joined.weight[start // width : start // width + tiles], joined.blocks
         m.bias = None if bias is None else joined.bias[start : start + tiles * width]
         start += m.out_features
-    joined.sizes = [m.out_features for m in members]
+    joined.sizes, joined.members = [m.out_features for m in members], members
     return joined
 
 
@@ -352,6 +387,7 @@ class Stack:
 
     def __init__(self, layers: list[dict], shape: dict, lib):
         self.dtype, self.lib = layers[0]["qkv"].weight_dtype, lib
+        settle([layer[name] for layer in layers for name in ("qkv", "o", "gate_up", "down")])  # before the pointers
         self.kernel = lib.layers_bf16 if self.dtype == torch.bfloat16 else lib.layers_f32
         self.count, self.hidden, self.head_dim = len(layers), shape["hidden"], shape["head_dim"]
         self._kept = []
