@@ -844,7 +844,7 @@ def test_settle_lays_small_packed_weights_one_after_another_on_huge_pages_with_t
     """A weight under 2 MB gets no huge page of its own: native.settle copies a model's packed weights one after
     another into 2 MB-aligned stretches and points each tensor at its copy in place, so a joined weight's members
     (views of it, which a Stack is not given) and the CpuLinear forms holding the same tensor follow. Values and
-    products' bits are unchanged; with SPECARENA_HUGE_PAGES=0 nothing moves."""
+    products' bits are unchanged; with SPECARENA_HUGE_PAGES=0, or under 2 MB in all, nothing moves."""
     import mmap
 
     from engine.models import native
@@ -865,6 +865,9 @@ def test_settle_lays_small_packed_weights_one_after_another_on_huge_pages_with_t
     assert native.settle([*packed, qkv, gate_up]) == 0
     assert [rows.weight.data_ptr() for rows in (*packed, qkv, gate_up)] == ptrs
     monkeypatch.delenv("SPECARENA_HUGE_PAGES")
+    tiny = [native.Rows(torch.randn(64, 576).to(dtype), None, lib) for _ in range(2)]  # under 2 MB in all: no page
+    ptrs = [rows.weight.data_ptr() for rows in tiny]
+    assert native.settle(tiny) == 0 and [rows.weight.data_ptr() for rows in tiny] == ptrs
 
     moved = native.settle([qkv, packed[3], gate_up])  # as a Stack passes them: the joined weights, not their members
     if not hasattr(mmap, "MADV_HUGEPAGE"):  # off Linux: nothing to lay out

@@ -316,19 +316,23 @@ def settle(packed: list[Rows], chunk: int = 64 << 20) -> int:
     forms that hold the same tensor follow); a joined weight brings its members' views along. Alone, a weight under 2
     MB gets no huge page (on_huge_pages), and a bfloat16 layer's q/k/v, o and down of the bundled model are each under
     2 MB: 70% of its bytes. A Stack settles its layers' weights before it takes their pointers. Returns the bytes moved
-    (0 where huge pages cannot be had: SPECARENA_HUGE_PAGES=0, off Linux); the old copies are freed as they are left."""
+    (0 where huge pages cannot be had: SPECARENA_HUGE_PAGES=0, off Linux, under 2 MB in all); the old copies are freed
+    as they are left."""
     shared: dict[int, list[torch.Tensor]] = {}
     for rows in packed:  # a joined weight brings its members' views (join)
         for t in [rows.weight] + [m.weight for m in getattr(rows, "members", ())]:
             shared.setdefault(t.untyped_storage().data_ptr(), []).append(t)
-    area, used, moved = None, 0, 0
+    spans = []  # per storage: (its first byte the tensors read, the bytes from there to their last)
     for tensors in shared.values():
-        spans = [(t.storage_offset() * t.element_size(), t.numel() * t.element_size()) for t in tensors]
-        low = min(offset for offset, _ in spans)
-        size = max(offset + length for offset, length in spans) - low  # the bytes they read, not the whole mapping
-        if area is None or used + size > area.numel():
-            area, used = huge_empty((max(chunk, size),), torch.uint8), 0
-            if area is None:
+        low = min(t.storage_offset() * t.element_size() for t in tensors)
+        spans.append((low, max((t.storage_offset() + t.numel()) * t.element_size() for t in tensors) - low))
+    left = sum(-(-size // 64) * 64 for _, size in spans)
+    area, used, moved = None, 0, 0
+    for tensors, (low, size) in zip(shared.values(), spans):
+        if area is None or used + size > area.numel():  # a stretch no longer than what is left to lay out (a copy
+            # of the model, as the forge makes one, copies each stretch whole)
+            area, used = huge_empty((max(size, min(chunk, left)),), torch.uint8), 0
+            if area is None:  # under 2 MB left, or no huge pages here: the rest stays where it is
                 return moved
         start = area.storage_offset() + used - low  # where the old storage's byte 0 would lie in the mapping
         with torch.inference_mode():  # weights made in inference mode may be changed in place only there
@@ -338,6 +342,7 @@ def settle(packed: list[Rows], chunk: int = 64 << 20) -> int:
                 t.set_(area.untyped_storage(), (start + t.storage_offset() * t.element_size()) // t.element_size(),
                        t.shape, t.stride())  # fmt: skip
         used += -(-size // 64) * 64  # the next weight on a whole cache line
+        left -= -(-size // 64) * 64
         moved += size
     return moved
 
