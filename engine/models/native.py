@@ -388,7 +388,9 @@ class Stack:
     head's: engine.decoding.heads): each layer's norms (float32 copies) and its q/k/v, o, gate/up and down products
     packed for the kernel (`Rows`, q/k/v and gate/up joined), with the shapes. An EAGLE-3 head's first layer also
     gives its "hidden_norm" (its q/k/v read the token's embedding beside the normed state) and "normed_residual", a
-    DFlash head's layers their per-head "q_norm" and "k_norm". Holds references to every tensor it points to."""
+    DFlash head's layers their per-head "q_norm" and "k_norm". Holds references to every tensor it points to. It lays
+    the packed weights it is given on huge pages first (`settle`), which moves them: a stack made over weights another
+    stack points to would leave that one pointing at freed memory (lean.join and Head.join replace theirs)."""
 
     def __init__(self, layers: list[dict], shape: dict, lib):
         self.dtype, self.lib = layers[0]["qkv"].weight_dtype, lib
