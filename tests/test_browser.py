@@ -491,7 +491,10 @@ def test_a_run_pressed_while_a_stopped_run_winds_down_is_not_lost(own_page):
 def test_run_says_it_runs_and_settings_changed_meanwhile_apply_to_the_next_run(own_page, browser, live_app):
     """Issue 32.2: during a run Run cannot be pressed and says why; a preset chosen meanwhile is marked as the next
     run's; another session's press waits visibly, in line."""
-    start_long_run(own_page)
+    # long enough to outlast what happens before Stop (a second page opened among them): on the AVX2 EPYC, whose
+    # memory read 27-48 GB/s, a 400-token run takes ~11 s (baseline ~8, speculative ~3), and in one CI run the label
+    # never said "stopping": the run had most likely ended before Stop was pressed
+    start_long_run(own_page, tokens=2048)
     label, enabled = run_button(own_page)
     assert not enabled and "running" in label
     streamed = len(own_page.inner_text("#baseline-pane .sa-text"))
