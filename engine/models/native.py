@@ -341,9 +341,8 @@ def settle(packed: list[Rows], chunk: int = 64 << 20) -> int:
             for t in tensors:  # contiguous tensors of one dtype: the offsets are whole elements (64-byte steps)
                 t.set_(area.untyped_storage(), (start + t.storage_offset() * t.element_size()) // t.element_size(),
                        t.shape, t.stride())  # fmt: skip
-        used += -(-size // 64) * 64  # the next weight on a whole cache line
-        left -= -(-size // 64) * 64
-        moved += size
+        step = -(-size // 64) * 64  # the next weight on a whole cache line
+        used, left, moved = used + step, left - step, moved + size
     return moved
 
 
