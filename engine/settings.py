@@ -8,6 +8,7 @@ returns typed settings; `validate` checks ranges. Every error names the field at
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -55,6 +56,25 @@ def cache_dir() -> Path:
     """Where SpecArena keeps what it makes once (converted models, CPU measurements, a llama-server build, compiled
     graphs): $SPECARENA_CACHE, else ~/.cache/specarena."""
     return Path(os.environ.get("SPECARENA_CACHE", Path.home() / ".cache" / "specarena"))
+
+
+def read_kept(path: Path) -> dict:
+    """A JSON file of the cache folder's (measurements kept per CPU), {} where it is missing or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_kept(path: Path, data: dict) -> None:
+    """Write a cache folder's JSON file whole (a temporary file renamed over it: readers never see half of it)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache only costs a measurement per load
 
 
 def max_new_tokens_cap() -> int:

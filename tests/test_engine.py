@@ -458,6 +458,84 @@ def test_the_kernel_built_for_avx2_rounds_verify_passes_like_one_token_passes(tm
             alone = torch.cat([rows(x[i : i + 1], 1) for i in range(9)])
             for count in range(2, 10):
                 assert torch.equal(rows(x[:count], count), alone[:count]), (dtype, in_features, count)
+            lib.rows_prefetch(0, 0)  # the same products on the hardware prefetchers alone: the same bits
+            for count in range(1, 10):
+                assert torch.equal(rows(x[:count], count), alone[:count]), (dtype, in_features, count)
+            lib.rows_prefetch(native.prefetch_bits(native.prefetching()["float32"]),
+                              native.prefetch_bits(native.prefetching()["bfloat16"]))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_products_prefetched_or_not_give_the_same_bits(dtype):
+    """Whether a product prefetches its weight's lines (chosen per CPU and row count at the kernel's first load:
+    native.choose_prefetch) changes what memory is asked for ahead, not the sums: every row count, each choice, and one
+    that differs between a one-token pass and a verify pass (as on the AVX2 EPYC in float32), gives the same bits."""
+    from engine.models import native
+    from engine.models.cpu import cpu_id
+
+    own_kernel()
+    lib = native.library(cpu_id())
+    chosen = native.prefetching()
+    assert set(chosen) == {"float32", "bfloat16"}
+    assert all(len(on) == len(native.PREFETCH_ROWS) for on in chosen.values())
+    torch.manual_seed(0)
+    try:
+        for out_features, in_features in ((80, 48), (1000, 37), (576, 1536)):
+            rows = native.Rows(torch.randn(out_features, in_features).to(dtype), torch.randn(out_features), lib)
+            x = torch.randn(17, in_features).to(dtype)
+            outputs = []
+            for bits in ((1 << 32) - 1, 0, native.prefetch_bits([False] + [True] * 7), 0b1010101):
+                lib.rows_prefetch(bits, bits)
+                outputs.append([rows(x[:count], count) for count in range(1, 18)])
+                alone = torch.cat([rows(x[i : i + 1], 1) for i in range(17)])
+                assert all(torch.equal(out, alone[: len(out)]) for out in outputs[-1]), bits
+            assert all(torch.equal(a, b) for other in outputs[1:] for a, b in zip(outputs[0], other))
+    finally:
+        lib.rows_prefetch(native.prefetch_bits(chosen["float32"]), native.prefetch_bits(chosen["bfloat16"]))
+
+
+def test_the_prefetch_choice_is_measured_once_per_cpu_recalled_and_can_be_forced(tmp_path, monkeypatch):
+    """Software prefetches speed one product and slow another, by CPU and row count (on the AVX2 EPYC a float32
+    one-token pass ran 10-14% faster without them, its verify passes and every bfloat16 pass slower): each size is
+    timed with and without in turns, prefetching is left out only where that saves PREFETCH_GAIN, the choice is kept
+    in the cache folder per CPU, thread count and build and recalled, and SPECARENA_PREFETCH_ROWS=0/1 forces it. The
+    words say where the hardware prefetches alone (the page's "measured with" line)."""
+    from engine.models import native
+
+    monkeypatch.setenv("SPECARENA_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECARENA_PREFETCH_ROWS", raising=False)
+    sizes = native.PREFETCH_ROWS
+    timed = []
+
+    def fake_times(lib):  # float32: 1 row 20% faster without, 2 rows 1% (noise), the rest slower; bfloat16 slower
+        timed.append(lib)
+        off = {1: 0.8, 2: 0.99} | {n: 1.1 for n in sizes[2:]}
+        return {"float32": {True: dict.fromkeys(sizes, 1.0), False: off},
+                "bfloat16": {True: dict.fromkeys(sizes, 1.0), False: dict.fromkeys(sizes, 1.2)}}  # fmt: skip
+
+    monkeypatch.setattr(native, "time_prefetch", fake_times)
+    first = native.choose_prefetch("lib", "cpu A|2 threads|rows-1")
+    assert first["float32"] == [False] + [True] * (len(sizes) - 1) and first["bfloat16"] == [True] * len(sizes)
+    assert first["measured"]["float32"][False][1] == 0.8 and timed == ["lib"]
+    again = native.choose_prefetch("lib", "cpu A|2 threads|rows-1")  # recalled from the cache folder: not timed
+    assert again == {name: first[name] for name in ("float32", "bfloat16")} and timed == ["lib"]
+    assert (tmp_path / "prefetch.json").is_file()
+    native.choose_prefetch("lib", "cpu A|1 threads|rows-1")  # another thread count (or CPU, or build): timed
+    assert len(timed) == 2
+    for forced in ("0", "1"):
+        monkeypatch.setenv("SPECARENA_PREFETCH_ROWS", forced)
+        assert native.choose_prefetch("lib", "cpu B") == {"float32": [forced == "1"] * len(sizes),
+                                                          "bfloat16": [forced == "1"] * len(sizes)}  # fmt: skip
+    assert len(timed) == 2
+    # the kernel's bits: bit r - 1 for r rows, the last size's answer for every larger one
+    assert native.prefetch_bits([False] + [True] * 7) == (1 << 32) - 2
+    assert native.prefetch_bits([True] * 7 + [False]) == 0x7F and native.prefetch_bits([False] * 8) == 0
+    words = {(False,) + (True,) * 7: "float32 products of 1 row leave prefetching to the hardware",
+             (False, False) + (True,) * 5 + (False,): "float32 products of 1-2, 8 or more rows leave prefetching to "
+             "the hardware", (False,) * 8: "every float32 product leaves prefetching to the hardware", (True,) * 8: ""}
+    for on, said in words.items():
+        monkeypatch.setitem(native._loaded, "prefetch", {"float32": list(on), "bfloat16": [True] * 8})
+        assert native.prefetch_words(torch.float32) == said and native.prefetch_words(torch.bfloat16) == ""
 
 
 def test_tiles_are_as_wide_as_the_registers_hold_a_verify_pass_and_share_out_evenly():

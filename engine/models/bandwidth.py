@@ -74,15 +74,14 @@ def read_bandwidth(device: torch.device | str = "cpu", measure: bool = False) ->
     """The device's read bandwidth in bytes per second, per CPU (or GPU) and thread count, kept in the cache folder as
     engine.models.cpu keeps its layout choices. `measure` (each model load: a fraction of a second) measures again and
     keeps the best ever seen: a first measurement beside other work once read 12.6 GB/s on a machine that reads 33."""
-    from engine.models.cpu import _read
-    from engine.settings import cache_dir
+    from engine.settings import cache_dir, read_kept
 
     device = torch.device(device)
     key = _key(device)
     if measure:
         return keep_best(device, measure_bandwidth(device))
     if key not in _KNOWN:
-        known = _read(cache_dir() / "bandwidth.json")
+        known = read_kept(cache_dir() / "bandwidth.json")
         if key not in known:
             return keep_best(device, measure_bandwidth(device))
         _KNOWN[key] = known[key]
@@ -91,15 +90,14 @@ def read_bandwidth(device: torch.device | str = "cpu", measure: bool = False) ->
 
 def keep_best(device: torch.device | str, measured: float) -> float:
     """Keep a read of `measured` bytes per second among the device's reads (the best ever seen stays); returns it."""
-    from engine.models.cpu import _read, _write
-    from engine.settings import cache_dir
+    from engine.settings import cache_dir, read_kept, write_kept
 
     device = torch.device(device)
     key, path = _key(device), cache_dir() / "bandwidth.json"
-    known = _read(path)
+    known = read_kept(path)
     best = max(known.get(key, 0.0), measured)
     if best != known.get(key):
-        _write(path, known | {key: best})
+        write_kept(path, known | {key: best})
     _KNOWN[key] = best
     return best
 

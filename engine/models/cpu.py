@@ -53,7 +53,6 @@ the model as it was.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import platform
 import time
@@ -64,6 +63,7 @@ import psutil
 import torch
 
 from engine.models import cpuinfo
+from engine.settings import read_kept, write_kept
 
 FORMS = ("stock", "transposed", "packed", "blas", "own")  # stock first: what a form must beat, and what HF runs
 COPIES = ("own", "transposed", "packed")  # the forms that hold a copy of the weight (blas reads the stock one in
@@ -445,7 +445,7 @@ def choose_forms(model, key: str, cache_file: Path, progress=lambda message: Non
 
         key += f"|{native.version()}"
     key += "|lean" if getattr(model, "lean", None) is not None else ""  # timed in the passes that will run
-    known = _read(cache_file)
+    known = read_kept(cache_file)
     recalled = {"table": ["packed"], "pad": []} if mode() == "1" else known.get(key)
     measured = None
     if recalled is not None:
@@ -462,7 +462,7 @@ def choose_forms(model, key: str, cache_file: Path, progress=lambda message: Non
                 joined()
             table, pad, groups, measured = _measure(model, layers, forms, fused=joined is not None)
             entry = {"table": list(table), "pad": list(pad), "groups": {k: list(v) for k, v in groups.items()}}
-            _write(cache_file, dict(list(known.items())[-255:]) | {key: entry})  # the latest 256 choices
+            write_kept(cache_file, dict(list(known.items())[-255:]) | {key: entry})  # the latest 256 choices
     if not layers:
         return STOCK
     for layer in layers:
@@ -587,20 +587,3 @@ def _confirmed(pad: tuple[int, ...], times: dict[int, float]) -> tuple[int, ...]
     second measurement put at 49-58 ms against 59 ms."""
     kept = tuple(m if m == n or times[m] < (1 - PAD_GAIN) * times[n] else n for n, m in enumerate(pad))
     return kept if any(m != n for n, m in enumerate(kept)) else ()
-
-
-def _read(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _write(path: Path, data: dict) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only cache only costs a measurement per load

@@ -35,7 +35,7 @@ from engine.errors import OutOfMemory, UserError
 from engine.models import random_shapes as random_models
 from engine.models.bandwidth import bytes_per_token, read_bandwidth
 from engine.models.cpu import PAD_ROWS, STOCK, choose_forms, join, shape_key
-from engine.models.native import Stack, sixteen
+from engine.models.native import Stack, prefetch_words, sixteen
 from engine.models.sizing import context_length
 from engine.settings import BUNDLED, MAX_GAMMA, cache_dir
 
@@ -421,6 +421,8 @@ def _load(
         linear_forms += model.lean.fused_words(PAD_ROWS)
     if dtype == torch.bfloat16 and any("own" in layer.table for layer in forms["layers"]):
         linear_forms += f"; bfloat16 products {sixteen()}"
+    if any("own" in layer.table for layer in forms["layers"]) and prefetch_words(dtype):
+        linear_forms += f"; {prefetch_words(dtype)} (faster on this CPU)"
     with torch.inference_mode():  # what one decode step costs right now: the yardstick for suspect runs
         step_s = time_passes(model, (1,))[1]
     read_bandwidth(device, measure=True)  # the bound beside tok/s: the best read seen here (a fraction of a second)

@@ -23,6 +23,7 @@ import mmap
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -164,10 +165,115 @@ def library(cpu: str):
                 kernel.restype = None
             lib.norm_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int]
             lib.norm_rows.restype = None
+            lib.rows_prefetch.argtypes = [ctypes.c_uint32] * 2
+            lib.rows_prefetch.restype = None
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
             lib, why = None, f"not built: {error}"
     _loaded.update(lib=lib, why=why, name=name)
+    if lib is not None:
+        prefetch = choose_prefetch(lib, f"{cpu}|{torch.get_num_threads()} threads|{name}")
+        lib.rows_prefetch(prefetch_bits(prefetch["float32"]), prefetch_bits(prefetch["bfloat16"]))
+        _loaded["prefetch"] = prefetch
     return lib
+
+
+# Whether a product prefetches its weight's lines in software or leaves them to the hardware prefetchers, per weight
+# type and rows (kernels/rows.h, prefetch_rows): neither wins everywhere. On the AMD EPYC (AVX2) a float32 one-token
+# pass of the bundled model ran 10-14% faster without (15.6-16.3 ms against 17.9; 13.6-13.9 against 15.8), its 5-row
+# verify pass 9% slower and every bfloat16 pass 3-20% slower (the variants in turns, in one process); on the AMD EPYC
+# (AVX512, BF16) and the Intel Xeon (AMX) one-row products had read ~20% slower without. So it is measured once per CPU,
+# thread count and build, over a stream of weights far larger than the caches (PREFETCH_BYTES of float32, half that
+# of bfloat16), every size with and without in turns, and kept in the cache folder. SPECARENA_PREFETCH_ROWS=1 (always)
+# or 0 (never) sets it instead.
+PREFETCH_ROWS = tuple(range(1, 9))  # the sizes timed; 8's answer stands for every larger product
+PREFETCH_GAIN = 0.03  # leaving prefetches out must save this share of a product's time (prefetching is the default)
+PREFETCH_BYTES = 256 << 20
+PREFETCH_SHAPE = (3072, 576)  # the weights of the stream (a layer's gate and up joined, in the bundled model)
+
+
+def prefetch_bits(prefetched: list[bool]) -> int:
+    """kernels/rows.h's bits for a list of whether products of 1, 2, ... rows prefetch (the last for all after)."""
+    bits = sum(1 << i for i, on in enumerate(prefetched) if on)
+    return bits | (((1 << 32) - (1 << len(prefetched))) if prefetched[-1] else 0)
+
+
+def choose_prefetch(lib, key: str) -> dict:
+    """{"float32": [...], "bfloat16": [...]}: whether products of 1..8 rows prefetch their weights (the last for
+    larger ones too): SPECARENA_PREFETCH_ROWS, else recalled from the cache folder, else measured (`time_prefetch`,
+    about a second) and kept there. "measured": the timings where measured now."""
+    forced = os.environ.get("SPECARENA_PREFETCH_ROWS", "")
+    if forced in ("0", "1"):
+        return {name: [forced == "1"] * len(PREFETCH_ROWS) for name in ("float32", "bfloat16")}
+    from engine.settings import cache_dir, read_kept, write_kept
+
+    path = cache_dir() / "prefetch.json"
+    known = read_kept(path)
+    if key in known:
+        return known[key]
+    times = time_prefetch(lib)
+    choice = {name: [by[False][n] >= (1 - PREFETCH_GAIN) * by[True][n] for n in PREFETCH_ROWS]
+              for name, by in times.items()}  # fmt: skip
+    write_kept(path, dict(list(known.items())[-63:]) | {key: choice})
+    return choice | {"measured": times}
+
+
+def time_prefetch(lib, repeats: int = 7) -> dict:
+    """{"float32" | "bfloat16": {prefetched: {rows: seconds}}}: a stream of PREFETCH_SHAPE weights (random bits of
+    no consequence: the products' speed does not depend on the values) through the kernel at each of PREFETCH_ROWS
+    rows, with and without prefetching in turns, best of `repeats` after a warm-up round. The prefetch bits are left
+    all on."""
+    threads, (out, k) = torch.get_num_threads(), PREFETCH_SHAPE
+    blocks = tile_blocks(out, lib.rows_lanes(), threads)
+    times = {}
+    for dtype, kernel in ((torch.float32, lib.rows_f32), (torch.bfloat16, lib.rows_bf16)):
+        count = PREFETCH_BYTES // 4 // (out * k)  # as many weights in either type: the bfloat16 stream is half as long
+        stream = huge_empty((count, out * k), dtype)
+        stream = torch.empty(count, out * k, dtype=dtype) if stream is None else stream
+        stream.fill_(0.01)
+        x, y = torch.full((max(PREFETCH_ROWS), k), 0.01, dtype=dtype), torch.empty(max(PREFETCH_ROWS), out, dtype=dtype)
+        best = {on: dict.fromkeys(PREFETCH_ROWS, float("inf")) for on in (True, False)}
+        for round_ in range(repeats + 1):
+            for rows in PREFETCH_ROWS:
+                for on in (True, False):
+                    lib.rows_prefetch(*[(1 << 32) - 1 if on else 0] * 2)
+                    start = time.perf_counter()
+                    for weight in stream:
+                        kernel(x.data_ptr(), weight.data_ptr(), None, y.data_ptr(), rows, k, out, blocks, threads)
+                    took = time.perf_counter() - start
+                    if round_:
+                        best[on][rows] = min(best[on][rows], took)
+        times[str(dtype).removeprefix("torch.")] = best
+        del stream
+    lib.rows_prefetch((1 << 32) - 1, (1 << 32) - 1)
+    return times
+
+
+def prefetch_words(dtype: torch.dtype) -> str:
+    """Where products of `dtype` weights leave the prefetching to the hardware, in words ("" where none does, or the
+    kernel is not built): "float32 products of 1 row leave prefetching to the hardware"."""
+    name = str(dtype).removeprefix("torch.")
+    off = [n for n, on in zip(PREFETCH_ROWS, prefetching().get(name, [])) if not on]
+    if not off:
+        return ""
+    runs: list[list[int]] = []
+    for n in off:  # stretches of consecutive sizes
+        if runs and runs[-1][-1] == n - 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    words = [f"{r[0]}" + (f"-{r[-1]}" if len(r) > 1 else "") for r in runs]
+    if off == list(PREFETCH_ROWS):
+        return f"every {name} product leaves prefetching to the hardware"
+    if off[-1] == PREFETCH_ROWS[-1]:
+        words[-1] = f"{runs[-1][0]} or more"
+    plural = len(off) > 1 or off[-1] == PREFETCH_ROWS[-1]
+    return f"{name} products of {', '.join(words)} row{'s' if plural else ''} leave prefetching to the hardware"
+
+
+def prefetching() -> dict:
+    """What the built kernel prefetches: {"float32": [...], "bfloat16": [...]} for products of 1..8 rows (8: and
+    more), {} where it is not built."""
+    return {name: list(on) for name, on in _loaded.get("prefetch", {}).items() if name != "measured"}
 
 
 def version() -> str:

@@ -32,3 +32,9 @@ extern "C" void rows_bf16(const bf16 *x, const bf16 *w, const float *b, bf16 *y,
 #pragma omp parallel num_threads(threads)
     product(wide.data(), w, b, y, rows, k, n, nb);
 }
+
+// which products prefetch their weight's lines (rows.h, prefetch_rows): bit r - 1 for r rows (bit 31: 32 or more)
+extern "C" void rows_prefetch(uint32_t f32, uint32_t bf16) {
+    prefetch_rows[0] = f32;
+    prefetch_rows[1] = bf16;
+}

@@ -145,7 +145,7 @@ template <typename Y> static inline void put_vector(Y *p, vf v, int left) {
 // the widening tile: vdpbf16ps rounds its pair's sum, and flushes subnormals). The inputs, bfloat16 values held in
 // float32, are packed in pairs by each thread at every call (xp: [rows][k / 2]): packed in scalar code, with
 // rounding, that cost a one-row pass 8%.
-template <typename Y, int NB, int R>
+template <typename Y, int NB, int R, bool PF>
 static inline void tile_pairs(const uint32_t *xp, const bf16 *wt, const float *b, Y *y, int r0, int n0, int kp,
                               int n) {
     __m512 acc[NB][R];
@@ -159,9 +159,10 @@ static inline void tile_pairs(const uint32_t *xp, const bf16 *wt, const float *b
 #pragma GCC unroll 16
         for (int r = 0; r < R; r++) xb[r] = (__m512bh)_mm512_set1_epi32((int)xs[(size_t)r * kp + i]);
         const bf16 *wi = wt + (size_t)i * NB * V * 2;
+        if constexpr (PF)
 #pragma GCC unroll 16
-        for (int line = 0; line < NB * V * 2 * 2 / 64; line++)
-            __builtin_prefetch((const char *)wi + AHEAD + line * 64, 0, PREFETCH_LOCALITY);
+            for (int line = 0; line < NB * V * 2 * 2 / 64; line++)
+                __builtin_prefetch((const char *)wi + AHEAD + line * 64, 0, PREFETCH_LOCALITY);
 #pragma GCC unroll 16
         for (int j = 0; j < NB; j++) {
             __m512bh wv = (__m512bh)_mm512_loadu_si512(wi + j * V * 2);
@@ -180,11 +181,11 @@ static inline void tile_pairs(const uint32_t *xp, const bf16 *wt, const float *b
     }
 }
 
-template <typename Y, int NB, int R>
+template <typename Y, int NB, int R, bool PF>
 static inline void pair_rows(const uint32_t *xp, const bf16 *wt, const float *b, Y *y, int r0, int left, int n0,
                              int kp, int n) {
-    if constexpr (R > 1) if (left < R) return pair_rows<Y, NB, R - 1>(xp, wt, b, y, r0, left, n0, kp, n);
-    tile_pairs<Y, NB, R>(xp, wt, b, y, r0, n0, kp, n);
+    if constexpr (R > 1) if (left < R) return pair_rows<Y, NB, R - 1, PF>(xp, wt, b, y, r0, left, n0, kp, n);
+    tile_pairs<Y, NB, R, PF>(xp, wt, b, y, r0, n0, kp, n);
 }
 
 // the rows of x [rows][k] as tile_pairs reads them, [rows][kp] pairs (k padded with zeros to 2 kp), in a buffer of
@@ -237,7 +238,7 @@ static inline void configure_tiles(int rows) {
     _tile_loadconfig(&c);
 }
 
-template <typename Y, int NB>
+template <typename Y, int NB, bool PF>
 static void tiles_amx(const uint32_t *xp, const bf16 *w, const float *b, Y *y, int rows, int kp, int n) {
     constexpr int width = NB * V;
     const int tiles = (n + width - 1) / width;
@@ -256,9 +257,10 @@ static void tiles_amx(const uint32_t *xp, const bf16 *w, const float *b, Y *y, i
             const uint32_t *xs = xp + (size_t)r0 * kp;
             for (int i = 0; i < kp; i += 16) {
                 const bf16 *wi = wt + (size_t)i * width * 2;
+                if constexpr (PF)
 #pragma GCC unroll 64
-                for (int line = 0; line < 16 * width * 4 / 64; line++)
-                    __builtin_prefetch((const char *)wi + AHEAD + line * 64, 0, PREFETCH_LOCALITY);
+                    for (int line = 0; line < 16 * width * 4 / 64; line++)
+                        __builtin_prefetch((const char *)wi + AHEAD + line * 64, 0, PREFETCH_LOCALITY);
                 _tile_loadd(4, xs + i, kp * 4);
                 _tile_loadd(5, wi, width * 4);
                 _tile_dpbf16ps(0, 4, 5);
@@ -294,7 +296,7 @@ static void tiles_amx(const uint32_t *xp, const bf16 *w, const float *b, Y *y, i
 #endif
 
 // W: the weight's type (float or bf16); Y: the output's (float, bf16, or bf16f: rounded to bfloat16, kept in float)
-template <typename W, typename Y, int NB, int R>
+template <typename W, typename Y, int NB, int R, bool PF>
 static inline void tile(const float *x, const W *wt, const float *b, Y *y, int r0, int n0, int k, int n) {
     vf acc[NB][R];
 #pragma GCC unroll 16
@@ -317,11 +319,11 @@ static inline void tile(const float *x, const W *wt, const float *b, Y *y, int r
         // 29-31. On the Intel Xeon (AMX) non-temporal ones held it at 11 GB/s where memory reads 28 (27 with
         // locality 1 or 3, 22 with none): the hint is the CPU vendor's (native.flags)
         constexpr int STEP = NB * V * sizeof(W);  // bytes of weight per k: 32 in AVX2's bfloat16 tiles of 2 vectors
-        if constexpr (STEP >= 64) {
+        if constexpr (PF && STEP >= 64) {
 #pragma GCC unroll 16
             for (int line = 0; line < STEP / 64; line++)
                 __builtin_prefetch((const char *)wi + AHEAD + line * 64, 0, PREFETCH_LOCALITY);
-        } else {  // a line spans several k: asked for at each (a test of which k would cost a branch)
+        } else if constexpr (PF) {  // a line spans several k: asked for at each (a test of which k would cost a branch)
             __builtin_prefetch((const char *)wi + AHEAD, 0, PREFETCH_LOCALITY);
         }
         if constexpr (std::is_same_v<W, bf16> && NB % 2 == 0) {
@@ -377,15 +379,15 @@ static inline void tile(const float *x, const W *wt, const float *b, Y *y, int r
     }
 }
 
-template <typename W, typename Y, int NB, int R>
+template <typename W, typename Y, int NB, int R, bool PF>
 static inline void rows_of(const float *x, const W *wt, const float *b, Y *y, int r0, int left, int n0, int k, int n) {
-    if constexpr (R > 1) if (left < R) return rows_of<W, Y, NB, R - 1>(x, wt, b, y, r0, left, n0, k, n);
-    tile<W, Y, NB, R>(x, wt, b, y, r0, n0, k, n);
+    if constexpr (R > 1) if (left < R) return rows_of<W, Y, NB, R - 1, PF>(x, wt, b, y, r0, left, n0, k, n);
+    tile<W, Y, NB, R, PF>(x, wt, b, y, r0, n0, k, n);
 }
 
 // the tiles shared among the threads of the enclosing parallel region (a worksharing loop: called outside one, the
 // calling thread does them all), in order, each read once per block of at most rows_at_once rows
-template <typename W, typename Y, int NB>
+template <typename W, typename Y, int NB, bool PF>
 static void run(const float *x, const W *w, const float *b, Y *y, int rows, int k, int n) {
     constexpr int RB = rows_at_once<NB>();
     const int tiles = (n + NB * V - 1) / (NB * V);
@@ -400,7 +402,7 @@ static void run(const float *x, const W *w, const float *b, Y *y, int rows, int 
     const uint32_t *xp = paired ? pack_pairs(x, rows, k, depth / 2) : nullptr;
 #if AMX_TILES
     if constexpr (paired)
-        if (amx_ready) return tiles_amx<Y, NB>(xp, w, b, y, rows, depth / 2, n);
+        if (amx_ready) return tiles_amx<Y, NB, PF>(xp, w, b, y, rows, depth / 2, n);
 #endif
 #endif
 #pragma omp for schedule(static)
@@ -410,20 +412,34 @@ static void run(const float *x, const W *w, const float *b, Y *y, int rows, int 
             const int size = (rows - r0) / (blocks - block);
             if constexpr (paired) {
 #if K_PAIRS
-                pair_rows<Y, NB, RB>(xp, wt, b, y, r0, size, t * NB * V, depth / 2, n);
+                pair_rows<Y, NB, RB, PF>(xp, wt, b, y, r0, size, t * NB * V, depth / 2, n);
 #endif
             } else {
-                rows_of<W, Y, NB, RB>(x, wt, b, y, r0, size, t * NB * V, k, n);
+                rows_of<W, Y, NB, RB, PF>(x, wt, b, y, r0, size, t * NB * V, k, n);
             }
             r0 += size;
         }
     }
 }
 
+// Whether a product of r rows prefetches its weight's lines (bit min(r, 32) - 1), per weight type: [0] float32, [1]
+// bfloat16. Set once per process from what engine.models.native.choose_prefetch measured on this CPU: on the AMD EPYC
+// (AVX2) a float32 one-token pass of the bundled model ran 10-14% faster on the hardware prefetchers alone, its verify
+// passes and every bfloat16 pass faster prefetched (the variants in turns); on the AMD EPYC (AVX512, BF16) and the
+// Intel Xeon (AMX) one-row products had run ~20% slower without (see the hint above). All on until told otherwise.
+inline uint32_t prefetch_rows[2] = {~0u, ~0u};
+
+template <typename W, typename Y, int NB>
+static void prefetched(const float *x, const W *w, const float *b, Y *y, int rows, int k, int n) {
+    const uint32_t bit = 1u << ((rows < 32 ? rows : 32) - 1);
+    if (prefetch_rows[std::is_same_v<W, bf16>] & bit) run<W, Y, NB, true>(x, w, b, y, rows, k, n);
+    else run<W, Y, NB, false>(x, w, b, y, rows, k, n);
+}
+
 // y = x w^T (+ b) with w packed in tiles of nb vectors (4, 2 or 1), inside a parallel region
 template <typename W, typename Y>
 static void product(const float *x, const W *w, const float *b, Y *y, int rows, int k, int n, int nb) {
-    if (nb == 4) run<W, Y, 4>(x, w, b, y, rows, k, n);
-    else if (nb == 2) run<W, Y, 2>(x, w, b, y, rows, k, n);
-    else run<W, Y, 1>(x, w, b, y, rows, k, n);
+    if (nb == 4) prefetched<W, Y, 4>(x, w, b, y, rows, k, n);
+    else if (nb == 2) prefetched<W, Y, 2>(x, w, b, y, rows, k, n);
+    else prefetched<W, Y, 1>(x, w, b, y, rows, k, n);
 }
