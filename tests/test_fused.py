@@ -308,3 +308,42 @@ def test_a_heads_one_call_reads_rotary_and_its_final_norm_as_its_torch_layers_co
     ours = head.stack.norm(x.float().contiguous(), head._final_norm, head.config.rms_norm_eps)
     assert torch.equal(ours, ours.to(dtype).float())  # values of the model's dtype
     torch.testing.assert_close(ours.to(dtype), head.norm(x), rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
+
+
+@DTYPES
+@pytest.mark.parametrize("flags", [{}, {"norm_output": True, "logit_scale": 0.5, **MANY_FLAGS}],
+                         ids=["plain", "normed-output-scaled-window"])  # fmt: skip
+def test_a_heads_final_norm_and_lm_head_in_its_layers_call_give_the_bits_of_their_own_calls(dtype, flags):
+    """Where the head's LM head runs our kernel, its final norm and LM head run at the end of the layers' one call
+    (native.Final): the state fed back and the logits are the bits the norm's and the LM head's own calls give, for a
+    pass over many rows and for chain steps; where the LM head runs another form, they are called apart."""
+    from engine.decoding.heads import HeadCache
+
+    _, head = fused_head(dtype, **flags)
+    c = head.config
+    assert head._final(1) is not None and head._final(24) is not None
+    torch.manual_seed(5)
+    features, tokens = torch.randn(24, c.hidden_size).to(dtype), torch.randint(0, 200, (24,))
+
+    def passes():
+        cache = HeadCache(1, c.num_kv_heads, c.head_dim, dtype, torch.device("cpu"), 8)
+        with torch.inference_mode():
+            out = [head.eagle3(tokens[:20], features[:20], cache)]
+            for i in range(20, 24):  # chain steps, each fed the state before it
+                out.append(head.eagle3(tokens[i : i + 1], out[-1][0][-1:], cache))
+        return out
+
+    together = passes()
+    head._final = lambda rows: None  # the norm and the LM head called apart, as before
+    try:
+        apart = passes()
+    finally:
+        del head._final
+    for (state, logits), (state_apart, logits_apart) in zip(together, apart):
+        assert state.dtype == logits.dtype == dtype and logits.shape[-1] == 200
+        assert torch.equal(state, state_apart) and torch.equal(logits, logits_apart)
+    head.lm_head.form = lambda rows: "stock"  # as if the LM head ran another form here: no final steps in the call
+    try:
+        assert head._final(1) is None
+    finally:
+        del head.lm_head.form

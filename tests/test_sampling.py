@@ -76,6 +76,25 @@ def test_greedy_verify_is_argmax_matching():
     assert (verdict.accepted, verdict.token) == (1, 0)  # corrected to the target's argmax
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_argmax_picks_what_torch_picks_ties_to_the_first(dtype):
+    """sampling.argmax (numpy's, over a float32 view on CPU: torch's ran 6-40x slower over a real vocabulary) gives
+    torch's argmax for one row and for a verify pass's rows, in every dtype, ties to the first of the maxima (a bfloat16
+    vocabulary holds many equal logits), as a long tensor of the rows' shape."""
+    from engine.decoding.sampling import argmax
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 49152).to(dtype)
+    logits[1, [7, 100, 40000]] = 9.0  # ties: the first wins
+    logits[2] = 0.5  # every logit equal
+    logits[3, -1] = 20.0
+    logits[4, 0] = 20.0
+    for x in (logits, logits[1], logits[3], logits[4], logits[:, :5]):
+        got = argmax(x)
+        assert got.dtype == torch.long and got.shape == x.shape[:-1] and torch.equal(got, x.argmax(-1))
+    assert argmax(logits).tolist()[1:5] == [7, 0, 49151, 0]
+
+
 def test_logits_to_probs_applies_temperature_top_k_top_p():
     logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
     full = torch.softmax(logits, -1)

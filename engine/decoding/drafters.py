@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.decoding.runtime import forward, new_cache
-from engine.decoding.sampling import SamplingConfig, logits_to_probs, sample
+from engine.decoding.sampling import SamplingConfig, argmax, logits_to_probs, sample
 from engine.settings import MAX_GAMMA
 
 
@@ -153,7 +153,7 @@ class DraftModel(Drafter):
                 if top < self.p_min:
                     note = f"confidence stop before draft token {len(tokens) + 1}: top p {top:.2f} < {self.p_min:g}"
                     break
-            token = int(logits.argmax()) if cfg.greedy else int(sample(probs, generator))
+            token = int(argmax(logits)) if cfg.greedy else int(sample(probs, generator))
             tokens.append(token)
             rows.append(probs)
             feed = [token]

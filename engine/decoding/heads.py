@@ -41,7 +41,7 @@ from torch import nn
 
 from engine.decoding.drafters import Draft, Drafter
 from engine.decoding.lean import RotaryTable, cache_pointers, layer_spec
-from engine.decoding.sampling import SamplingConfig, logits_to_probs, sample
+from engine.decoding.sampling import SamplingConfig, argmax, logits_to_probs, sample
 from engine.decoding.tree import reindex, select
 from engine.settings import MAX_GAMMA
 
@@ -390,7 +390,7 @@ class Head(nn.Module):
                  "intermediate": c.intermediate_size, "eps": c.rms_norm_eps, "scale": c.head_dim**-0.5}  # fmt: skip
         self.stack = stack(specs, shape, linears[0]._own.lib)
         self._final_norm = self.norm.weight.detach().to(torch.float32).contiguous()
-        self._table = RotaryTable()
+        self._table, self._ends = RotaryTable(), None
         return True
 
     def _linears(self) -> list:
@@ -457,6 +457,14 @@ class Head(nn.Module):
                                                                          value=float("-inf"))  # fmt: skip
         full = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
         return full.index_copy_(1, self.d2t, logits)
+
+    def draft_to_target(self, i: int) -> int:
+        """The target id of draft id `i` (d2t), from a list copy of d2t: indexing the tensor and reading the value back
+        cost a greedy draft token more than the lookup."""
+        key = (id(self.d2t), self.d2t._version)
+        if getattr(self, "_d2t_ids", (None, None))[0] != key:
+            self._d2t_ids = (key, self.d2t.tolist())
+        return self._d2t_ids[1][i]
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of final states (..., hidden) -> (..., Vd), scaled by the config's logit_scale."""
@@ -526,10 +534,14 @@ class Head(nn.Module):
         e, h = self.embed_tokens(tokens)[None], x[None]  # (1, rows, H)
         seen = [visible(positions, k_pos, True, c.window(i), mask) for i in range(c.num_layers)]
         if self.fused(rows):
-            rotary = self._kernel_rotary(past, rows, x.dtype, given)
-            h = self._run_stack(e[0], x, cache, past, rotary, seen)
+            rotary, ends = self._kernel_rotary(past, rows, x.dtype, given), self._final(rows)
+            h, done = self._run_stack(e[0], x, cache, past, rotary, seen, final=ends)
             cache.length = past + rows
-            return self.output(h.to(x.dtype), self.stack.norm(h, self._final_norm, c.rms_norm_eps).to(x.dtype))
+            if done is None:
+                return self.output(h.to(x.dtype), self.stack.norm(h, self._final_norm, c.rms_norm_eps).to(x.dtype))
+            normed, logits = done  # the final norm and the LM head ran in the same call
+            scale = c.logit_scale
+            return (normed if c.norm_output else h).to(x.dtype), logits if scale == 1.0 else logits * scale
         cos, sin = self.rotary(past, rows, x.dtype, positions)
         for i, layer in enumerate(self.layers):
             residual, inp = self.layer_input(i, e, h)
@@ -542,13 +554,25 @@ class Head(nn.Module):
         state, logits = self.output(h[0])
         return state, logits
 
+    def _final(self, rows: int):
+        """The final norm and LM head as the last steps of the layers' call (native.Stack.final), where the LM head
+        runs our kernel for `rows` rows; else None. Made once per packed LM head (the forms' timing swaps it)."""
+        head = self._modules["lm_head"]
+        own = getattr(head, "_own", None)
+        if own is None or head.form(rows) != "own":
+            return None
+        if self._ends is None or self._ends.head is not own:
+            self._ends = self.stack.final(self._final_norm, own)
+        return self._ends
+
     def _run_stack(self, embedded, x, cache: HeadCache, past: int, rotary, masks: list,
-                   context: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                   context: torch.Tensor | None = None, final=None):  # fmt: skip
         """The layers as calls of our kernels (one per stretch of layers that see the same keys): x (rows, H) in, the
         last layer's output (rows, H) out, in float32 (values of x's dtype); `eagle3`'s with the rows' token
         embeddings (rows, H), `dflash`'s with the context rows (C, H) whose keys and values come first; rotary: cos
         and sin of the context rows and rows (`_kernel_rotary`); masks: each layer's `visible` keys, (rows, past + C
-        + rows), or None (causal)."""
+        + rows), or None (causal). Returns (the output, None), or with `final` (`_final`), where the last call runs the
+        final norm and LM head too, (the output, (the normed rows, their logits))."""
         h = x.to(torch.float32, copy=True).contiguous()  # the kernel keeps the residual stream in float32
         embedded = None if embedded is None else embedded.to(torch.float32).contiguous()
         context = None if context is None else context.to(torch.float32).contiguous()
@@ -557,13 +581,15 @@ class Head(nn.Module):
         def same(a, b) -> bool:
             return a is b or (a is not None and b is not None and torch.equal(a, b))
 
-        start = 0
+        start, done = 0, None
         for stop in range(1, len(masks) + 1):
             if stop == len(masks) or not same(masks[stop], masks[start]):
                 mask = None if masks[start] is None else masks[start].to(torch.uint8).contiguous()
-                self.stack(h, start, stop, past, cos, sin, mask, keys, values, cache.capacity, embedded, context)
+                last = final if stop == len(masks) else None
+                done = self.stack(h, start, stop, past, cos, sin, mask, keys, values, cache.capacity, embedded, context,
+                                  last)  # fmt: skip
                 start = stop
-        return h
+        return h, done
 
     def dflash(self, context: torch.Tensor, block: torch.Tensor, cache: HeadCache) -> torch.Tensor:
         """One DFlash block: context (rows, features) of the positions after what `cache` holds, then the block's
@@ -583,7 +609,7 @@ class Head(nn.Module):
                 mask = visible(q_pos, k_pos, c.block_causal(i), c.window(i))
                 seen.append(every if mask is None and not c.block_causal(i) else mask)
             rotary = self._kernel_rotary(past, rows + size, ctx.dtype)
-            h = self._run_stack(None, h[0], cache, past, rotary, seen, ctx[0])
+            h = self._run_stack(None, h[0], cache, past, rotary, seen, ctx[0])[0]
             cache.length = past + rows
             return self.stack.norm(h, self._final_norm, c.rms_norm_eps).to(ctx.dtype)  # the final norm, as norm's
         cos, sin = self.rotary(past, rows + size, ctx.dtype)
@@ -632,8 +658,8 @@ class HeadDrafter(Drafter):
         (d2t ascends, so ties fall as over the whole vocabulary); else a draw from q over the target's vocabulary."""
         head = self.head
         if cfg.greedy:
-            best = logits.argmax()
-            return int(best if head.d2t is None else head.d2t[best]), None
+            best = int(argmax(logits))
+            return best if head.d2t is None else head.draft_to_target(best), None
         probs = logits_to_probs(head.to_target(logits[None], self.vocab_size)[0], cfg)
         return int(sample(probs, generator)), probs
 

@@ -161,7 +161,7 @@ def library(cpu: str):
             lib.rows_tiles.restype = ctypes.c_int
             for kernel in (lib.layers_f32, lib.layers_bf16):
                 kernel.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 4 + [
-                    ctypes.c_int] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2  # fmt: skip
+                    ctypes.c_int] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 3  # fmt: skip
                 kernel.restype = None
             lib.norm_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int]
             lib.norm_rows.restype = None
@@ -200,7 +200,9 @@ def prefetch_bits(prefetched: list[bool]) -> int:
 def choose_prefetch(lib, key: str) -> dict:
     """{"float32": [...], "bfloat16": [...]}: whether products of 1..8 rows prefetch their weights (the last for
     larger ones too): SPECARENA_PREFETCH_ROWS, else recalled from the cache folder, else measured (`time_prefetch`,
-    about a second) and kept there. "measured": the timings where measured now."""
+    about a second) and kept there. Prefetching is left out at a size where that saved PREFETCH_GAIN in the timing
+    and again in a second one of the sizes it did (once, a single timing left it out at 4 and 7 rows but not 5 or 6).
+    "measured": the timings where measured now, the second look's under "again"."""
     forced = os.environ.get("SPECARENA_PREFETCH_ROWS", "")
     if forced in ("0", "1"):
         return {name: [forced == "1"] * len(PREFETCH_ROWS) for name in ("float32", "bfloat16")}
@@ -210,18 +212,23 @@ def choose_prefetch(lib, key: str) -> dict:
     known = read_kept(path)
     if key in known:
         return known[key]
+    def saved(by: dict, n: int) -> bool:  # leaving prefetches out saved PREFETCH_GAIN at n rows
+        return by[False][n] < (1 - PREFETCH_GAIN) * by[True][n]
+
     times = time_prefetch(lib)
-    choice = {name: [by[False][n] >= (1 - PREFETCH_GAIN) * by[True][n] for n in PREFETCH_ROWS]
+    sizes = tuple(n for n in PREFETCH_ROWS if any(saved(by, n) for by in times.values()))
+    again = time_prefetch(lib, sizes) if sizes else {}
+    choice = {name: [not (n in sizes and saved(by, n) and saved(again[name], n)) for n in PREFETCH_ROWS]
               for name, by in times.items()}  # fmt: skip
     write_kept(path, dict(list(known.items())[-63:]) | {key: choice})
-    return choice | {"measured": times}
+    return choice | {"measured": times | {"again": again}}
 
 
-def time_prefetch(lib, repeats: int = 7) -> dict:
+def time_prefetch(lib, sizes: tuple[int, ...] = PREFETCH_ROWS, repeats: int = 7) -> dict:
     """{"float32" | "bfloat16": {prefetched: {rows: seconds}}}: a stream of PREFETCH_SHAPE weights (random bits of
-    no consequence: the products' speed does not depend on the values) through the kernel at each of PREFETCH_ROWS
-    rows, with and without prefetching in turns, best of `repeats` after a warm-up round. The prefetch bits are left
-    all on."""
+    no consequence: the products' speed does not depend on the values) through the kernel at each of `sizes` rows,
+    with and without prefetching in turns, best of `repeats` after a warm-up round. The prefetch bits are left all
+    on."""
     threads, (out, k) = torch.get_num_threads(), PREFETCH_SHAPE
     blocks = tile_blocks(out, lib.rows_lanes(), threads)
     times = {}
@@ -231,9 +238,9 @@ def time_prefetch(lib, repeats: int = 7) -> dict:
         stream = torch.empty(count, out * k, dtype=dtype) if stream is None else stream
         stream.fill_(0.01)
         x, y = torch.full((max(PREFETCH_ROWS), k), 0.01, dtype=dtype), torch.empty(max(PREFETCH_ROWS), out, dtype=dtype)
-        best = {on: dict.fromkeys(PREFETCH_ROWS, float("inf")) for on in (True, False)}
+        best = {on: dict.fromkeys(sizes, float("inf")) for on in (True, False)}
         for round_ in range(repeats + 1):
-            for rows in PREFETCH_ROWS:
+            for rows in sizes:
                 for on in (True, False):
                     lib.rows_prefetch(*[(1 << 32) - 1 if on else 0] * 2)
                     start = time.perf_counter()
@@ -488,6 +495,21 @@ class _Shape(ctypes.Structure):  # kernels/layers.cpp's Shape
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)]  # fmt: skip
 
 
+class _Final(ctypes.Structure):  # kernels/layers.cpp's Final
+    _fields_ = [("norm", ctypes.c_void_p), ("weight", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("nb", ctypes.c_int),
+                ("n", ctypes.c_int)]  # fmt: skip
+
+
+class Final:
+    """A draft head's final norm and LM head (packed: `Rows`) as the last steps of its layers' call (Stack.__call__):
+    the norm's weight in float32 and the pointers, made once. The head's LM head must not be re-packed meanwhile."""
+
+    def __init__(self, norm: torch.Tensor, head: Rows):
+        self.norm, self.head = norm.detach().to(torch.float32).contiguous(), head
+        bias = None if head.bias is None else head.bias.data_ptr()
+        self.struct = _Final(self.norm.data_ptr(), head.weight.data_ptr(), bias, head.blocks, head.out_features)
+
+
 class Stack:
     """A Llama-family decoder's layers as one call of kernels/layers.cpp (engine.decoding.lean's fused pass, a draft
     head's: engine.decoding.heads): each layer's norms (float32 copies) and its q/k/v, o, gate/up and down products
@@ -523,16 +545,30 @@ class Stack:
 
     def __call__(self, x: torch.Tensor, first: int, last: int, past: int, cos: torch.Tensor, sin: torch.Tensor,
                  mask: torch.Tensor | None, keys, values, capacity: int, embedded: torch.Tensor | None = None,
-                 context: torch.Tensor | None = None) -> None:
+                 context: torch.Tensor | None = None, final: Final | None = None):
         """Run layers first..last-1 over x ([rows, hidden] float32, contiguous, written in place); cos and sin:
         [context rows + rows, head_dim] float32; mask: [rows, past + context rows + rows] uint8 or None (causal);
         keys, values: ctypes arrays of each layer's cache pointers ([kv heads, capacity, head_dim] of the model's
         dtype); embedded: [rows, hidden] float32, the rows' token embeddings, for a layer with a hidden_norm;
-        context: [context rows, hidden] float32, a DFlash head's context rows (keys and values only, written first)."""
+        context: [context rows, hidden] float32, a DFlash head's context rows (keys and values only, written first).
+        final: a draft head's final norm and LM head, run after layer last - 1 in the same call: then returns (the
+        normed rows, [rows, hidden] float32 holding values of the model's dtype; their logits, [rows, n] of the
+        model's dtype), else None."""
         pointer = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        rows, normed, logits = x.shape[0], None, None
+        if final is not None:
+            normed = torch.empty_like(x)
+            logits = torch.empty(rows, final.head.out_features, dtype=self.dtype)
         self.kernel(self.layers, first, last, ctypes.byref(self.shape), x.data_ptr(), pointer(embedded),
-                    pointer(context), 0 if context is None else context.shape[0], x.shape[0], past, cos.data_ptr(),
-                    sin.data_ptr(), pointer(mask), keys, values, capacity, torch.get_num_threads())  # fmt: skip
+                    pointer(context), 0 if context is None else context.shape[0], rows, past, cos.data_ptr(),
+                    sin.data_ptr(), pointer(mask), keys, values, capacity, torch.get_num_threads(),
+                    final and ctypes.byref(final.struct), pointer(normed), pointer(logits))  # fmt: skip
+        return None if final is None else (normed, logits)
+
+    @staticmethod
+    def final(norm: torch.Tensor, head: Rows) -> Final:
+        """A draft head's final norm and packed LM head, to be run at the end of its layers' call (`__call__`)."""
+        return Final(norm, head)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """LlamaRMSNorm of x's rows ([rows, hidden] float32, contiguous) by `weight` (float32, contiguous), as the

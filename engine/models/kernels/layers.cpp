@@ -38,6 +38,14 @@ struct Shape {
     float eps, scale;
 };
 
+// A draft head's last steps, run after its layers in the same call: its final norm and its LM head's product (packed
+// as rows.h reads it), as the head's own norm and LM head compute them apart. Called apart, they cost an EAGLE-3 chain
+// step of the bundled model's head more in calls and torch operations around them than their 9 MB took to read.
+struct Final {
+    const float *norm;                                 // [E], float32
+    const void *weight; const float *bias; int nb, n;  // the LM head: [n, E]
+};
+
 template <typename W> static inline float keep(float v) {  // what a tensor of the model's dtype holds
     if constexpr (std::is_same_v<W, bf16>) return round_bf16(v); else return v;
 }
@@ -216,7 +224,8 @@ static void attend(const float *const *q, float *const *a, const W *k, const W *
 template <typename W>
 static void layers(const Layer *stack, int first, int last, const Shape &s, float *x, const float *embedded,
                    const float *context, int C, int rows, int past, const float *cos, const float *sin,
-                   const uint8_t *mask, W **keys, W **values, int capacity, int threads) {
+                   const uint8_t *mask, W **keys, W **values, int capacity, int threads, const Final *final,
+                   float *normed, void *logits) {
     const int E = s.hidden, D = s.head_dim, H = s.heads, KV = s.kv_heads, I = s.intermediate;
     const int q_width = H * D, kv_width = KV * D, qkv_width = q_width + 2 * kv_width, total = past + C + rows;
     const int groups = H / KV;
@@ -307,6 +316,13 @@ static void layers(const Layer *stack, int first, int last, const Shape &s, floa
         product(act.data(), (const W *)L.down, L.down_bias, (Out<W> *)out.data(), rows, I, E, L.down_nb);
 #pragma omp for schedule(static)
         for (int r = 0; r < rows; r++) add<W>(x + (size_t)r * E, out.data() + (size_t)r * E, E);
+        if (final && l == last - 1) {  // a draft head's final norm and LM head, in the same parallel region
+#pragma omp for schedule(static)
+            for (int r = 0; r < rows; r++) norm<W>(x + (size_t)r * E, final->norm, normed + (size_t)r * E, s);
+            // the logits in the model's dtype, each rounded once, as the LM head's own call returns them (rows_bf16)
+            using Logit = std::conditional_t<std::is_same_v<W, bf16>, bf16, float>;
+            product(normed, (const W *)final->weight, final->bias, (Logit *)logits, rows, E, final->n, final->nb);
+        }
     }
 }
 
@@ -315,19 +331,23 @@ static void layers(const Layer *stack, int first, int last, const Shape &s, floa
 // unused; context: [C, E], a DFlash head's context rows, whose keys and values each layer writes before the rows' (at
 // positions past..past + C - 1) and which pass through no more of it (C = 0: none); cos, sin: [C + rows, D] (the rows'
 // positions; values of the model's dtype); mask: [rows, past + C + rows], which keys each row sees (a tree, a sliding
-// window, a block), or null (causal); keys, values: each layer's cache, [KV][capacity][D]
+// window, a block), or null (causal); keys, values: each layer's cache, [KV][capacity][D]; final: a draft head's final
+// norm and LM head, run after layer `last` - 1 (or null): normed, [rows, E] float32, gets the normed rows (values of
+// the model's dtype), logits, [rows, final->n] of the model's dtype, their LM head's outputs
 extern "C" void layers_f32(const Layer *stack, int first, int last, const Shape *s, float *x, const float *embedded,
                            const float *context, int C, int rows, int past, const float *cos, const float *sin,
-                           const uint8_t *mask, float **keys, float **values, int capacity, int threads) {
+                           const uint8_t *mask, float **keys, float **values, int capacity, int threads,
+                           const Final *final, float *normed, float *logits) {
     layers<float>(stack, first, last, *s, x, embedded, context, C, rows, past, cos, sin, mask, keys, values, capacity,
-                  threads);
+                  threads, final, normed, logits);
 }
 
 extern "C" void layers_bf16(const Layer *stack, int first, int last, const Shape *s, float *x, const float *embedded,
                             const float *context, int C, int rows, int past, const float *cos, const float *sin,
-                            const uint8_t *mask, bf16 **keys, bf16 **values, int capacity, int threads) {
+                            const uint8_t *mask, bf16 **keys, bf16 **values, int capacity, int threads,
+                            const Final *final, float *normed, bf16 *logits) {
     layers<bf16>(stack, first, last, *s, x, embedded, context, C, rows, past, cos, sin, mask, keys, values, capacity,
-                 threads);
+                 threads, final, normed, logits);
 }
 
 // LlamaRMSNorm of each of `rows` rows of x [rows, n] into out, as a layer's norms compute it (rounded to bfloat16 where
