@@ -584,3 +584,19 @@ def test_a_served_head_runs_its_layers_in_the_target_kernels_where_they_are_fast
     plain = tiny_llama(layers=DEPTH)  # a target in stock layers: its heads keep theirs
     assert cpu.like_target(random_head(plain, "eagle3"), plain) == []
     assert serve_forms(random_head(plain, "eagle3"), plain) is False
+
+
+def test_a_greedy_draft_maps_its_draft_id_through_d2t_also_one_made_in_inference_mode():
+    """A head over a reduced vocabulary drafts its argmax's target id (d2t) from a list copy made once per d2t tensor:
+    one the loader made in inference mode (which keeps no version counter) too, and a new d2t is read anew."""
+    from engine.decoding.heads import Eagle3
+    from engine.decoding.sampling import SamplingConfig
+
+    head = random_head(tiny_llama(layers=DEPTH), "eagle3", draft_vocab=200, seed=1)
+    drafter = Eagle3(head, head.config.vocab_size)
+    logits = torch.zeros(200)
+    logits[17] = 5.0
+    for scale in (3, 5):
+        with torch.inference_mode():
+            head.d2t = torch.arange(200) * scale
+            assert drafter._choose(logits, SamplingConfig(), None) == (17 * scale, None)

@@ -459,11 +459,11 @@ class Head(nn.Module):
         return full.index_copy_(1, self.d2t, logits)
 
     def draft_to_target(self, i: int) -> int:
-        """The target id of draft id `i` (d2t), from a list copy of d2t: indexing the tensor and reading the value back
-        cost a greedy draft token more than the lookup."""
-        key = (id(self.d2t), self.d2t._version)
-        if getattr(self, "_d2t_ids", (None, None))[0] != key:
-            self._d2t_ids = (key, self.d2t.tolist())
+        """The target id of draft id `i` (d2t), from a list copy of d2t made once per d2t tensor (the loader assigns a
+        new one, never changes it in place): indexing the tensor and reading the value back cost a greedy draft token
+        more than the lookup."""
+        if getattr(self, "_d2t_ids", (None, None))[0] is not self.d2t:
+            self._d2t_ids = (self.d2t, self.d2t.tolist())
         return self._d2t_ids[1][i]
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
