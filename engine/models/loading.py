@@ -421,8 +421,9 @@ def _load(
         linear_forms += model.lean.fused_words(PAD_ROWS)
     if dtype == torch.bfloat16 and any("own" in layer.table for layer in forms["layers"]):
         linear_forms += f"; bfloat16 products {sixteen()}"
-    if any("own" in layer.table for layer in forms["layers"]) and prefetch_words(dtype):
-        linear_forms += f"; {prefetch_words(dtype)} (faster on this CPU)"
+    hardware_alone = prefetch_words(dtype) if any("own" in layer.table for layer in forms["layers"]) else ""
+    if hardware_alone:
+        linear_forms += f"; {hardware_alone} (faster on this CPU)"
     with torch.inference_mode():  # what one decode step costs right now: the yardstick for suspect runs
         step_s = time_passes(model, (1,))[1]
     read_bandwidth(device, measure=True)  # the bound beside tok/s: the best read seen here (a fraction of a second)
